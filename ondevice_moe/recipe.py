@@ -1,0 +1,257 @@
+"""The recipe: one YAML file that says everything about a run.
+
+``load_recipe`` validates it with pydantic; every problem (an unknown key, a
+wrong type, an unknown model or data source) becomes one :class:`UserError`
+naming the key and what would be valid.
+"""
+
+from __future__ import annotations
+
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from ondevice_moe.data.sources import SOURCES
+from ondevice_moe.errors import UserError
+from ondevice_moe.methods.registry import COMIGS_VARIANTS, METHODS
+from ondevice_moe.models.registry import MODEL_ALIASES
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSection(_Section):
+    name: str = "smollm2-135m"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    quantization: Literal["none", "nf4", "int8"] = "none"
+
+    @field_validator("name")
+    @classmethod
+    def _known_model(cls, name: str) -> str:
+        if name in MODEL_ALIASES or "/" in name or Path(name).expanduser().is_dir():
+            return name
+        raise ValueError(f"unknown model '{name}'; use an alias ({', '.join(MODEL_ALIASES)}), "
+                         "a hub id such as 'openai-community/gpt2', or a local folder")
+
+
+class ExpertsSection(_Section):
+    lora_rank: int = Field(8, ge=1)
+    lora_alpha: float = Field(16.0, gt=0)
+    top_k: int = Field(2, ge=1)
+    balance_form: Literal["uniform", "generalist"] = "uniform"
+
+
+class SourceSection(_Section):
+    """One data source; the options a source does not use are ignored by it."""
+
+    source: str
+    weight: float = Field(1.0, gt=0)
+    path: str | None = None
+    categories: list[str] | None = None
+    dataset: str | None = None
+    config: str | None = None
+    split: str = "train"
+    text_field: str = "text"
+    filter: dict[str, Any] | None = None
+
+    @field_validator("source")
+    @classmethod
+    def _known_source(cls, source: str) -> str:
+        if source not in SOURCES:
+            raise ValueError(f"unknown data source '{source}'; use one of {', '.join(SOURCES)}")
+        return source
+
+    def options(self) -> dict[str, object]:
+        """The keyword options passed to the source's reader."""
+        return self.model_dump(exclude={"source", "weight"}, exclude_none=True)
+
+
+class UserSection(_Section):
+    """A user's domain: ``source: NAME`` (plus options) or ``sources: [...]`` for a mixture."""
+
+    name: str
+    sources: list[SourceSection] = Field(min_length=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, value: Any) -> Any:
+        if isinstance(value, dict) and "source" in value:
+            value = dict(value)
+            single = {k: value.pop(k) for k in list(value) if k not in ("name", "sources")}
+            value["sources"] = [single]
+        return value
+
+
+class DataSection(_Section):
+    users: list[UserSection] = Field(min_length=1)
+    context_length: int = Field(128, ge=8)
+    batch_size: int = Field(64, ge=1)
+    eval_batch_size: int = Field(16, ge=1)
+    train_tokens: int = Field(1_000_000, ge=1)
+    valid_tokens: int = Field(200_000, ge=1)
+    test_tokens: int = Field(200_000, ge=1)
+    max_eval_blocks: int | None = Field(None, ge=1)
+
+    @field_validator("users")
+    @classmethod
+    def _unique_names(cls, users: list[UserSection]) -> list[UserSection]:
+        names = [u.name for u in users]
+        if len(set(names)) != len(names):
+            raise ValueError(f"user names must be unique, got {names}")
+        return users
+
+
+class FederationSection(_Section):
+    rounds: int = Field(20, ge=1)
+    local_iterations: int = Field(10, ge=1)
+    weighting: Literal["uniform", "num_examples"] = "uniform"
+    cpus_per_client: float = Field(2.0, gt=0)
+
+
+class TrainingSection(_Section):
+    lr: float = Field(2e-3, gt=0)
+    router_lr: float = Field(2e-3, gt=0)
+    router_period: int = Field(30, ge=1)
+    router_steps: int = Field(10, ge=0)
+    balance_weight: float = Field(0.01, ge=0)
+    warmup_fraction: float = Field(0.05, gt=0, lt=1)
+    grad_clip: float = Field(1.0, gt=0)
+
+
+class MethodEntry(_Section):
+    name: str
+    variant: str | None = None
+    experts: list[int] | None = None
+    router_data: Literal["valid", "train"] = "valid"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_string(cls, value: Any) -> Any:
+        return {"name": value} if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _known(self) -> MethodEntry:
+        if self.name not in METHODS:
+            raise ValueError(f"unknown method '{self.name}'; use one of {', '.join(METHODS)}")
+        if self.variant is not None and self.name != "comigs":
+            raise ValueError(f"method '{self.name}' has no variants (only comigs: {', '.join(COMIGS_VARIANTS)})")
+        if self.name == "comigs" and (self.variant or "1G1S") not in COMIGS_VARIANTS:
+            raise ValueError(f"unknown comigs variant '{self.variant}'; use one of {', '.join(COMIGS_VARIANTS)}")
+        return self
+
+    def options(self) -> dict[str, object]:
+        if self.name != "comigs":
+            return {}
+        return {"variant": self.variant or "1G1S", "experts": self.experts, "router_data": self.router_data}
+
+
+class Recipe(_Section):
+    name: str
+    description: str = ""
+    seed: int = 0
+    model: ModelSection = ModelSection()
+    experts: ExpertsSection = ExpertsSection()
+    data: DataSection
+    federation: FederationSection = FederationSection()
+    training: TrainingSection = TrainingSection()
+    methods: list[MethodEntry] = Field(min_length=1)
+
+
+# -- loading ------------------------------------------------------------------
+
+
+def load_recipe(path: str | Path, overrides: list[str] | None = None, seed: int | None = None) -> Recipe:
+    """Read, override (``key.sub=value``) and validate a recipe file."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"recipe {path} does not exist", "run `ondevice-moe recipes list` to see the bundled recipes")
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError) as error:
+        raise UserError(f"recipe {path} is not valid YAML: {error}", "fix the YAML syntax") from None
+    if not isinstance(raw, dict):
+        raise UserError(f"recipe {path} must be a mapping of keys to values", "see recipes/demo.yaml for the shape")
+    for override in overrides or []:
+        apply_override(raw, override)
+    if seed is not None:
+        raw["seed"] = seed
+    return validate_recipe(raw, source=str(path))
+
+
+def validate_recipe(raw: dict[str, Any], source: str = "recipe") -> Recipe:
+    try:
+        return Recipe.model_validate(raw)
+    except ValidationError as error:
+        raise UserError(_describe(error, source), "fix these keys in the recipe (or the --set overrides)") from None
+
+
+def apply_override(raw: dict[str, Any], override: str) -> None:
+    """Apply ``a.b.c=value`` (value parsed as YAML) to the raw recipe mapping."""
+    key, sep, text = override.partition("=")
+    if not sep or not key:
+        raise UserError(f"override '{override}' is not of the form key=value", "write e.g. --set federation.rounds=5")
+    parts = key.split(".")
+    node: Any = raw
+    for depth, part in enumerate(parts[:-1]):
+        if isinstance(node, list):
+            node = _list_item(node, part, ".".join(parts[: depth + 1]))
+        else:
+            node = node.setdefault(part, {})
+    last = parts[-1]
+    value = yaml.safe_load(text) if text else None
+    if isinstance(node, list):
+        node[_index(node, last, key)] = value
+    elif isinstance(node, dict):
+        node[last] = value
+    else:
+        raise UserError(f"override '{key}': '{'.'.join(parts[:-1])}' is not a section", "check the key path")
+
+
+def _index(node: list, part: str, key: str) -> int:
+    if not part.isdigit() or int(part) >= len(node):
+        raise UserError(f"override '{key}': '{part}' is not an index of a list of {len(node)}", "use 0-based indices")
+    return int(part)
+
+
+def _list_item(node: list, part: str, key: str) -> Any:
+    return node[_index(node, part, key)]
+
+
+def _describe(error: ValidationError, source: str) -> str:
+    lines = [f"{source} has {error.error_count()} problem(s):"]
+    for item in error.errors():
+        location = ".".join(str(part) for part in item["loc"])
+        if item["type"] == "extra_forbidden":
+            parent = _fields_at(item["loc"][:-1])
+            allowed = f"; valid keys here: {', '.join(parent)}" if parent else ""
+            lines.append(f"  - {location}: unknown key{allowed}")
+        else:
+            message = item["msg"].removeprefix("Value error, ")
+            lines.append(f"  - {location}: {message} (got {item.get('input')!r})")
+    return "\n".join(lines)
+
+
+def _fields_at(location: tuple) -> list[str]:
+    """The field names of the section at ``location`` of a recipe."""
+    model: Any = Recipe
+    for part in location:
+        if isinstance(part, int) or model is None:
+            continue
+        if part not in model.model_fields:
+            return []
+        model = _section_type(model.model_fields[part].annotation)
+    return list(model.model_fields) if model is not None else []
+
+
+def _section_type(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for argument in typing.get_args(annotation):
+        found = _section_type(argument)
+        if found is not None:
+            return found
+    return None

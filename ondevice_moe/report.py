@@ -1,0 +1,168 @@
+"""What a run leaves behind: ``metrics.jsonl``, ``summary.json``, ``report.md`` and plots.
+
+The table follows CoMiGS Table 2: test perplexity per user, and the mean (std)
+over users in distribution (each user's own test split) and out of
+distribution (the union of all users' test splits).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+
+class MetricsLog:
+    """Append-only JSON-lines log; each record is one flat dict."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(self, record: dict[str, Any]) -> None:
+        with self.path.open("a", encoding="utf-8") as handle:
+            handle.write(json.dumps(record, sort_keys=True) + "\n")
+
+    def read(self) -> list[dict[str, Any]]:
+        if not self.path.exists():
+            return []
+        records = []
+        for line in self.path.read_text(encoding="utf-8").splitlines():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a line cut short by an interrupted run
+        return records
+
+
+def _mean_std(values: list[float]) -> tuple[float, float]:
+    return statistics.fmean(values), statistics.pstdev(values) if len(values) > 1 else 0.0
+
+
+def summarize(records: list[dict[str, Any]], methods: list[str], users: list[str]) -> dict[str, Any]:
+    """Final per-user and mean (std) perplexities of each method that finished."""
+    summary: dict[str, Any] = {"users": users, "methods": {}}
+    for method in methods:
+        evals = [r for r in records if r["method"] == method and r["kind"] == "eval"]
+        if not evals:
+            continue
+        last_round = max(r["round"] for r in evals)
+        final = {r["user"]: r for r in evals if r["round"] == last_round}
+        if set(final) != set(users):
+            continue
+        ppl_in = [final[u]["test_ppl_in"] for u in users]
+        ppl_out = [final[u]["test_ppl_out"] for u in users]
+        comm = [r for r in records if r["method"] == method and r["kind"] == "comm"]
+        mean_in, std_in = _mean_std(ppl_in)
+        mean_out, std_out = _mean_std(ppl_out)
+        summary["methods"][method] = {
+            "rounds": last_round,
+            "per_user": {u: {"in": final[u]["test_ppl_in"], "out": final[u]["test_ppl_out"]} for u in users},
+            "mean_in": mean_in, "std_in": std_in, "mean_out": mean_out, "std_out": std_out,
+            "upload_bytes_per_round": statistics.fmean(r["bytes_up"] for r in comm) if comm else 0.0,
+            "download_bytes_per_round": statistics.fmean(r["bytes_down"] for r in comm) if comm else 0.0,
+        }
+    return summary
+
+
+def markdown_table(summary: dict[str, Any]) -> str:
+    users = summary["users"]
+    header = ["method", *users, "mean (std) in-dist", "mean (std) out-of-dist", "upload / round"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    best_in = min((m["mean_in"] for m in summary["methods"].values()), default=None)
+    for name, m in summary["methods"].items():
+        mean_in = f"{m['mean_in']:.2f} ({m['std_in']:.2f})"
+        if m["mean_in"] == best_in:
+            mean_in = f"**{mean_in}**"
+        cells = [name, *(f"{m['per_user'][u]['in']:.2f}" for u in users), mean_in,
+                 f"{m['mean_out']:.2f} ({m['std_out']:.2f})", _bytes(m["upload_bytes_per_round"])]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _bytes(count: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if count < 1024 or unit == "GiB":
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1024
+    return ""
+
+
+def write_report(run_dir: Path, recipe_name: str, summary: dict[str, Any], plots: list[Path]) -> Path:
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
+    lines = [
+        f"# {recipe_name}", "",
+        "Test perplexity after the last round (lower is better). Per-user columns are in distribution "
+        "(each user's own test split); out of distribution is the union of all users' test splits. "
+        "Mean (std) over users.", "",
+        markdown_table(summary), "",
+    ]
+    lines += [f"![{p.stem}](plots/{p.name})" for p in plots]
+    path = run_dir / "report.md"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def plot_expert_scores(records: list[dict[str, Any]], method: str, path: Path) -> Path | None:
+    """Mean routing weight of expert 0 (the generalist) per layer over iterations (CoMiGS Fig. 4)."""
+    trains = [r for r in records if r["method"] == method and r["kind"] == "train"]
+    by_user: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for record in trains:
+        by_user[record["user"]].append(record)
+    keys = sorted({k for r in trains for k in r if k.startswith("layer_") and k.endswith("_score")})
+    first_expert = sorted({k.split("/expert_")[1].removesuffix("_score") for k in keys})
+    if not by_user or not first_expert:
+        return None
+    expert = "shared_0" if "shared_0" in first_expert else first_expert[0]
+    layers = sorted({int(k.split("/")[0].removeprefix("layer_")) for k in keys})
+    figure, axes = plt.subplots(1, len(by_user), figsize=(4 * len(by_user), 3.2), squeeze=False, sharey=True)
+    colours = plt.cm.viridis_r([i / max(len(layers) - 1, 1) for i in range(len(layers))])
+    for axis, (user, rows) in zip(axes[0], sorted(by_user.items()), strict=True):
+        rows.sort(key=lambda r: r["iteration"])
+        for layer, colour in zip(layers, colours, strict=True):
+            key = f"layer_{layer}/expert_{expert}_score"
+            points = [(r["iteration"], r[key]) for r in rows if key in r]
+            if points:
+                axis.plot(*zip(*points, strict=True), color=colour, linewidth=1)
+        axis.set_title(user)
+        axis.set_xlabel("iteration")
+    axes[0][0].set_ylabel(f"score of {expert}")
+    figure.suptitle(f"{method}: expert scores per layer (darker = deeper)")
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
+
+
+def plot_perplexity(records: list[dict[str, Any]], methods: list[str], path: Path) -> Path | None:
+    """Mean in-distribution test perplexity over rounds, one line per method."""
+    figure, axis = plt.subplots(figsize=(6, 3.6))
+    drawn = False
+    for method in methods:
+        by_round: dict[int, list[float]] = defaultdict(list)
+        for r in records:
+            if r["method"] == method and r["kind"] == "eval":
+                by_round[r["round"]].append(r["test_ppl_in"])
+        if by_round:
+            rounds = sorted(by_round)
+            axis.plot(rounds, [statistics.fmean(by_round[k]) for k in rounds], marker="o", label=method)
+            drawn = True
+    if not drawn:
+        plt.close(figure)
+        return None
+    axis.set_xlabel("round")
+    axis.set_ylabel("mean test perplexity (in-dist)")
+    axis.legend()
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path

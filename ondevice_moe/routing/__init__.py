@@ -1,0 +1,12 @@
+"""Routers decide, per token, how much each expert contributes."""
+
+from ondevice_moe.routing.balance import generalist_balance_loss, switch_balance_loss
+from ondevice_moe.routing.routers import Routing, TokenTopKRouter, UniformRouter
+
+__all__ = [
+    "Routing",
+    "TokenTopKRouter",
+    "UniformRouter",
+    "generalist_balance_loss",
+    "switch_balance_loss",
+]

@@ -1,0 +1,125 @@
+"""Run a recipe: every method through Flower's simulation engine, then the report.
+
+A run folder holds ``recipe.yaml``, ``metrics.jsonl``, ``summary.json``,
+``report.md`` and ``plots/``. Running the same recipe into the same folder
+resumes it: methods that already finished are not run again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ondevice_moe.errors import UserError
+from ondevice_moe.federation.job import JOB_ENV, Job
+from ondevice_moe.methods import Method
+from ondevice_moe.recipe import Recipe
+from ondevice_moe.report import MetricsLog, plot_expert_scores, plot_perplexity, summarize, write_report
+
+
+@dataclass
+class RunResult:
+    run_dir: Path
+    summary: dict[str, Any]
+    report: Path
+
+
+def prepare_run_dir(recipe: Recipe, output: Path | None) -> Path:
+    run_dir = Path(output) if output else Path("runs") / recipe.name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    recipe_file = run_dir / "recipe.yaml"
+    resolved = yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False)
+    if recipe_file.exists() and recipe_file.read_text(encoding="utf-8") != resolved:
+        raise UserError(
+            f"{run_dir} holds a run of a different recipe (or other --set/--seed values)",
+            "choose another --output folder, or delete the old one to start over",
+        )
+    recipe_file.write_text(resolved, encoding="utf-8")
+    return run_dir
+
+
+def check_inputs(recipe: Recipe) -> None:
+    """Load the model and every user's data once, so bad input fails before Flower starts."""
+    from ondevice_moe.federation import device
+
+    job = Job(recipe, 0, Path("."))
+    device.job_base_model(job)
+    for user in range(len(recipe.data.users)):
+        device.user_data(job, user)
+
+
+def run_recipe(
+    recipe: Recipe,
+    output: Path | None = None,
+    on_method: Callable[[str, int, int], None] | None = None,
+    on_round: Callable[[int, int, str], None] | None = None,
+) -> RunResult:
+    run_dir = prepare_run_dir(recipe, output)
+    check_inputs(recipe)
+    log = MetricsLog(run_dir / "metrics.jsonl")
+    users = [u.name for u in recipe.data.users]
+    methods = [Job(recipe, index, run_dir).method for index in range(len(recipe.methods))]
+    for index, method in enumerate(methods):
+        job = Job(recipe, index, run_dir)
+        if method.name in summarize(log.read(), [method.name], users)["methods"]:
+            continue  # finished in an earlier, interrupted invocation
+        _discard_partial(log, method.name)
+        if on_method is not None:
+            on_method(method.name, index, len(recipe.methods))
+        _simulate(job, on_round)
+        if method.name not in summarize(log.read(), [method.name], users)["methods"]:
+            errors = [r["message"] for r in log.read() if r.get("method") == method.name and r["kind"] == "error"]
+            raise UserError(f"method '{method.name}' did not finish: {errors[-1] if errors else 'see the log above'}",
+                            "fix the cause and run the same command again: finished methods are kept")
+    return finish_report(recipe, run_dir, methods)
+
+
+def finish_report(recipe: Recipe, run_dir: Path, methods: list[Method]) -> RunResult:
+    records = MetricsLog(run_dir / "metrics.jsonl").read()
+    users = [u.name for u in recipe.data.users]
+    names = [m.name for m in methods]
+    summary = summarize(records, names, users)
+    plots = [p for p in [plot_perplexity(records, names, run_dir / "plots" / "perplexity.png")] if p]
+    for method in methods:
+        if method.router_update != "none":  # only learned routers have scores worth a plot
+            plot = plot_expert_scores(records, method.name, run_dir / "plots" / f"expert_scores_{method.name}.png")
+            if plot:
+                plots.append(plot)
+    report = write_report(run_dir, recipe.name, summary, plots)
+    return RunResult(run_dir, summary, report)
+
+
+def _discard_partial(log: MetricsLog, method: str) -> None:
+    """Drop the records of an interrupted method so its rerun starts clean."""
+    kept = [r for r in log.read() if r.get("method") != method]
+    log.path.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in kept), encoding="utf-8")
+
+
+def _simulate(job: Job, on_round: Callable[[int, int, str], None] | None) -> None:
+    from flwr.simulation import run_simulation
+
+    from ondevice_moe.federation import client_app, server_app
+
+    job_file = job.to_file(job.run_dir / f".job-{job.method_index}.json")
+    os.environ[JOB_ENV] = str(job_file.resolve())
+    server_app.progress_hook = on_round
+    cpus = job.recipe.federation.cpus_per_client
+    backend = {
+        "init_args": {"num_cpus": max(int(cpus), os.cpu_count() or 1), "logging_level": "ERROR",
+                      "log_to_driver": False, "include_dashboard": False},
+        "client_resources": {"num_cpus": cpus, "num_gpus": 0.0},
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        logging.getLogger("flwr").setLevel(logging.WARNING)
+        run_simulation(server_app=server_app.app, client_app=client_app.app,
+                       num_supernodes=len(job.method.layouts), backend_config=backend)
+    server_app.progress_hook = None

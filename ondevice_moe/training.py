@@ -1,0 +1,183 @@
+"""A device's local procedure: expert steps on the training split, router steps
+on the validation split (CoMiGS Alg. 1), and perplexity evaluation.
+
+These are plain functions over a model with experts attached; the Flower
+client calls them, and unit tests call them directly.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ondevice_moe.methods import Method
+from ondevice_moe.mixture import mixtures, total_balance_loss
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    """CoMiGS App. B.1.2 defaults: lr 2e-3 (one-cycle cosine) for experts, 2e-3
+    constant for routers, τ = 30, s = 10, balance weight 0.01."""
+
+    lr: float = 2e-3
+    router_lr: float = 2e-3
+    router_period: int = 30
+    router_steps: int = 10
+    balance_weight: float = 0.01
+    batch_size: int = 64
+    total_iterations: int = 200
+    warmup_fraction: float = 0.05
+    grad_clip: float = 1.0
+
+
+@dataclass
+class DeviceTrainer:
+    """The trainable state of one device: its model, optimisers and iteration count."""
+
+    model: nn.Module
+    method: Method
+    config: TrainingConfig
+    iteration: int = 0
+    expert_optimizer: torch.optim.Optimizer | None = field(default=None, init=False)
+    router_optimizer: torch.optim.Optimizer | None = field(default=None, init=False)
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        expert_params = self.expert_parameters()
+        if self.method.router_update == "joint":
+            expert_params += self.router_parameters()
+        if expert_params:
+            self.expert_optimizer = torch.optim.AdamW(expert_params, lr=self.config.lr, weight_decay=0.0)
+            self.scheduler = torch.optim.lr_scheduler.OneCycleLR(
+                self.expert_optimizer,
+                max_lr=self.config.lr,
+                total_steps=max(self.config.total_iterations, 1),
+                pct_start=self.config.warmup_fraction,
+                anneal_strategy="cos",
+                cycle_momentum=False,
+            )
+        if self.method.router_update == "bilevel" and self.router_parameters():
+            self.router_optimizer = torch.optim.AdamW(
+                self.router_parameters(), lr=self.config.router_lr, weight_decay=0.0
+            )
+
+    # -- parameter groups -------------------------------------------------
+    def _named_trainable(self) -> list[tuple[str, nn.Parameter]]:
+        return [
+            (name, param)
+            for name, param in self.model.named_parameters()
+            if _is_expert_or_router(name) and self.method.is_trainable(name)
+        ]
+
+    def expert_parameters(self) -> list[nn.Parameter]:
+        return [p for name, p in self._named_trainable() if "router" not in name.split(".")]
+
+    def router_parameters(self) -> list[nn.Parameter]:
+        return [p for name, p in self._named_trainable() if "router" in name.split(".")]
+
+    # -- steps ------------------------------------------------------------
+    def train_iterations(self, iterations: int, train_batches, router_batches) -> dict[str, float]:
+        """Run ``iterations`` expert steps, with router phases every τ iterations.
+
+        ``train_batches(i)`` and ``router_batches(i)`` return the batch for global
+        iteration/step ``i``; the router batches come from the validation split
+        (or fresh training batches in the ``-tr`` ablation).
+        """
+        losses, router_losses = [], []
+        score_sums = [torch.zeros(len(m.expert_names)) for m in mixtures(self.model)]
+        for _ in range(iterations):
+            self.iteration += 1
+            losses.append(self.expert_step(train_batches(self.iteration)))
+            for sums, mixture in zip(score_sums, mixtures(self.model), strict=True):
+                sums += mixture.last_scores
+            if self.router_optimizer is not None and self.iteration % self.config.router_period == 0:
+                for step in range(self.config.router_steps):
+                    router_index = (self.iteration // self.config.router_period) * self.config.router_steps + step
+                    router_losses.append(self.router_step(router_batches(router_index)))
+        metrics = {"train_loss": sum(losses) / max(len(losses), 1), "iteration": float(self.iteration)}
+        if router_losses:
+            metrics["router_loss"] = sum(router_losses) / len(router_losses)
+        for layer, (sums, mixture) in enumerate(zip(score_sums, mixtures(self.model), strict=True)):
+            for name, total in zip(mixture.expert_names, sums.tolist(), strict=True):
+                metrics[f"layer_{layer}/expert_{name}_score"] = total / max(iterations, 1)
+        return metrics
+
+    def expert_step(self, batch: torch.Tensor) -> float:
+        """One step on the experts (CoMiGS eq. 3); routers are held fixed."""
+        return self._step(batch, self.expert_optimizer, train_router=self.method.router_update == "joint",
+                          train_experts=True, scheduler=self.scheduler)
+
+    def router_step(self, batch: torch.Tensor) -> float:
+        """One step on the routers (CoMiGS eq. 4); experts are held fixed."""
+        return self._step(batch, self.router_optimizer, train_router=True, train_experts=False)
+
+    def _step(self, batch, optimizer, *, train_router: bool, train_experts: bool, scheduler=None) -> float:
+        for name, param in self._named_trainable():
+            is_router = "router" in name.split(".")
+            param.requires_grad_(train_router if is_router else train_experts)
+        self.model.train()
+        output = self.model(input_ids=batch, labels=batch)
+        loss = output.loss
+        balance = total_balance_loss(self.model)
+        if balance is not None:
+            loss = loss + self.config.balance_weight * balance
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        torch.nn.utils.clip_grad_norm_(params, self.config.grad_clip)
+        optimizer.step()
+        if scheduler is not None and scheduler.last_epoch < scheduler.total_steps - 1:
+            scheduler.step()
+        return float(output.loss.detach())
+
+    # -- persistence --------------------------------------------------------
+    def optimizer_state(self) -> dict[str, object]:
+        return {
+            "iteration": self.iteration,
+            "expert": self.expert_optimizer.state_dict() if self.expert_optimizer else None,
+            "router": self.router_optimizer.state_dict() if self.router_optimizer else None,
+            "scheduler": self.scheduler.state_dict() if self.scheduler else None,
+        }
+
+    def load_optimizer_state(self, state: dict[str, object]) -> None:
+        self.iteration = int(state["iteration"])
+        for target, key in ((self.expert_optimizer, "expert"), (self.router_optimizer, "router"),
+                            (self.scheduler, "scheduler")):
+            if target is not None and state.get(key) is not None:
+                target.load_state_dict(state[key])
+
+
+def _is_expert_or_router(name: str) -> bool:
+    parts = name.split(".")
+    return "router" in parts or parts[-1] in ("lora_A", "lora_B")
+
+
+def trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every expert and router tensor of the model (shared and private)."""
+    return {name: param.detach() for name, param in model.named_parameters() if _is_expert_or_router(name)}
+
+
+@torch.no_grad()
+def block_nll(model: nn.Module, blocks: torch.Tensor, batch_size: int) -> torch.Tensor:
+    """Summed next-token negative log-likelihood of each block, shape ``(num_blocks,)``."""
+    model.eval()
+    sums = []
+    for start in range(0, blocks.shape[0], batch_size):
+        batch = blocks[start : start + batch_size]
+        logits = model(input_ids=batch).logits[:, :-1].float()
+        nll = nn.functional.cross_entropy(logits.transpose(1, 2), batch[:, 1:], reduction="none")
+        sums.append(nll.sum(dim=1))
+    return torch.cat(sums)
+
+
+def perplexity_of(nll: torch.Tensor, context_length: int) -> float:
+    """exp(mean NLL per predicted token) of blocks whose summed NLLs are ``nll``."""
+    return math.exp(float(nll.sum()) / (nll.numel() * (context_length - 1)))
+
+
+def perplexity(model: nn.Module, blocks: torch.Tensor, batch_size: int) -> float:
+    """Test perplexity of ``model`` on ``blocks``."""
+    return perplexity_of(block_nll(model, blocks, batch_size), blocks.shape[1])
