@@ -13,7 +13,11 @@ from rich.table import Table
 
 from ondevice_moe.errors import UserError
 
-app = typer.Typer(help="On-device collaborative fine-tuning with mixtures of PEFT experts.", no_args_is_help=True)
+app = typer.Typer(
+    help="On-device collaborative fine-tuning with mixtures of PEFT experts.",
+    no_args_is_help=True,
+    pretty_exceptions_show_locals=False,
+)
 recipes_app = typer.Typer(help="Bundled recipes.", no_args_is_help=True)
 app.add_typer(recipes_app, name="recipes")
 console = Console()

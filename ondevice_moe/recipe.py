@@ -71,17 +71,25 @@ class SourceSection(_Section):
 
 
 class UserSection(_Section):
-    """A user's domain: ``source: NAME`` (plus options) or ``sources: [...]`` for a mixture."""
+    """A user's domain: ``source: NAME`` (plus options) or ``sources: [...]`` for a mixture.
+
+    ``train_tokens`` / ``valid_tokens`` / ``test_tokens`` override the data
+    section's budgets for this user (CoMiGS Table 3 sizes differ per user).
+    """
 
     name: str
     sources: list[SourceSection] = Field(min_length=1)
+    train_tokens: int | None = Field(None, ge=1)
+    valid_tokens: int | None = Field(None, ge=1)
+    test_tokens: int | None = Field(None, ge=1)
 
     @model_validator(mode="before")
     @classmethod
     def _shorthand(cls, value: Any) -> Any:
         if isinstance(value, dict) and "source" in value:
             value = dict(value)
-            single = {k: value.pop(k) for k in list(value) if k not in ("name", "sources")}
+            own = ("name", "sources", "train_tokens", "valid_tokens", "test_tokens")
+            single = {k: value.pop(k) for k in list(value) if k not in own}
             value["sources"] = [single]
         return value
 
@@ -95,6 +103,12 @@ class DataSection(_Section):
     valid_tokens: int = Field(200_000, ge=1)
     test_tokens: int = Field(200_000, ge=1)
     max_eval_blocks: int | None = Field(None, ge=1)
+
+    def budgets(self, user: int) -> dict[str, int]:
+        """Token budgets of one user's train / valid / test splits."""
+        section = self.users[user]
+        return {split: getattr(section, f"{split}_tokens") or getattr(self, f"{split}_tokens")
+                for split in ("train", "valid", "test")}
 
     @field_validator("users")
     @classmethod

@@ -151,9 +151,13 @@ def plot_perplexity(records: list[dict[str, Any]], methods: list[str], path: Pat
         for r in records:
             if r["method"] == method and r["kind"] == "eval":
                 by_round[r["round"]].append(r["test_ppl_in"])
-        if by_round:
+        if list(by_round) == [0]:  # an untrained reference, e.g. the pretrained model
+            axis.axhline(statistics.fmean(by_round[0]), linestyle="--", color="grey", label=method)
+            drawn = True
+        elif by_round:
             rounds = sorted(by_round)
             axis.plot(rounds, [statistics.fmean(by_round[k]) for k in rounds], marker="o", label=method)
+            axis.set_xticks(rounds)
             drawn = True
     if not drawn:
         plt.close(figure)

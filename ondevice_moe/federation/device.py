@@ -45,8 +45,7 @@ def user_data(job: Job, user: int) -> UserData:
         data = job.recipe.data
         section = data.users[user]
         sources = [SourceSpec(s.source, s.options(), s.weight) for s in section.sources]
-        budgets = {"train": data.train_tokens, "valid": data.valid_tokens, "test": data.test_tokens}
-        _DATA[key] = build_user_data(section.name, sources, job_base_model(job).tokenizer, budgets,
+        _DATA[key] = build_user_data(section.name, sources, job_base_model(job).tokenizer, data.budgets(user),
                                      data.context_length, job.recipe.seed + 7919 * user)
     return _DATA[key]
 

@@ -75,6 +75,10 @@ def resolve_source(name: str) -> str | Path:
 
 def load_base_model(name: str, dtype: str = "float32", quantization: Quantization = "none") -> LoadedModel:
     """Load a causal LM and its tokenizer, frozen, in eval mode."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
     if name in ("tiny-gpt2", "tiny-llama"):
         tokenizer = byte_tokenizer()
         model = (tiny_gpt2 if name == "tiny-gpt2" else tiny_llama)(len(tokenizer))
@@ -103,10 +107,23 @@ def _from_pretrained(name: str, source: str | Path, dtype: str, quantization: Qu
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
         model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
-    except OSError as error:
+    except (OSError, ValueError) as error:
         raise UserError(
             f"cannot load model '{name}' from {source}: {str(error).splitlines()[0]}",
             "on an offline machine use `smollm2-135m` or a local folder; online, check the hub id "
             "(and `huggingface-cli login` for gated models)",
         ) from None
+    if quantization == "nf4":
+        _keep_4bit_layers_differentiable(model)
     return model, tokenizer
+
+
+def _keep_4bit_layers_differentiable(model: nn.Module) -> None:
+    """bitsandbytes 0.50 repacks 4-bit weights for an AVX512-BF16 inference kernel
+    the first time a layer runs in eval mode without gradients; that kernel has
+    no autograd, so LoRA experts after it would silently get no gradient."""
+    import bitsandbytes as bnb
+
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            module.support_avx512bf16_for_cpu = False

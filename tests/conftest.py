@@ -1,0 +1,32 @@
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+os.environ.setdefault("FLWR_LOG_LEVEL", "ERROR")
+os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest
+import torch
+
+from ondevice_moe.models.tiny import byte_tokenizer, tiny_gpt2, tiny_llama
+
+VOCAB = 257
+
+
+@pytest.fixture(params=["gpt2", "llama"])
+def tiny_model(request):
+    """A tiny random GPT-2 or LLaMA, frozen, in eval mode."""
+    model = (tiny_gpt2 if request.param == "gpt2" else tiny_llama)(VOCAB)
+    model.requires_grad_(False)
+    return model.eval()
+
+
+@pytest.fixture
+def tokens():
+    return torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.fixture
+def tokenizer():
+    return byte_tokenizer()

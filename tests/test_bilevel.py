@@ -1,0 +1,120 @@
+"""CoMiGS Alg. 1: experts move on training batches, routers on validation batches only."""
+
+import itertools
+
+import pytest
+import torch
+from conftest import VOCAB
+
+from ondevice_moe.inject import ExpertLayout, attach_experts
+from ondevice_moe.methods import build_method
+from ondevice_moe.training import DeviceTrainer, TrainingConfig
+
+
+def _trainer(tiny_model, name="comigs", **options) -> DeviceTrainer:
+    method = build_method(name, ExpertLayout(), num_users=2, **options)
+    model = attach_experts(tiny_model, method.layouts[0], seed=0)
+    config = TrainingConfig(router_period=3, router_steps=2, batch_size=2, total_iterations=20, lr=1e-2,
+                            router_lr=1e-2)
+    return DeviceTrainer(model, method, config)
+
+
+def _snapshot(trainer: DeviceTrainer) -> dict[str, dict[str, torch.Tensor]]:
+    named = dict(trainer.model.named_parameters())
+    groups = {"router": {}, "expert": {}}
+    for name, param in named.items():
+        if ".router." in name:
+            groups["router"][name] = param.detach().clone()
+        elif name.endswith(("lora_A", "lora_B")):
+            groups["expert"][name] = param.detach().clone()
+    return groups
+
+
+def _moved(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> bool:
+    return any(not torch.equal(before[n], after[n]) for n in before)
+
+
+class RecordingSampler:
+    """Returns a distinct random batch per index and remembers which split was asked."""
+
+    def __init__(self, split: str, log: list[str]):
+        self.split, self.log = split, log
+
+    def __call__(self, index: int) -> torch.Tensor:
+        self.log.append(self.split)
+        return torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(index))
+
+
+def test_router_moves_only_on_router_steps_on_validation_batches(tiny_model):
+    trainer = _trainer(tiny_model)
+    log: list[str] = []
+    train, valid = RecordingSampler("train", log), RecordingSampler("valid", log)
+
+    before = _snapshot(trainer)
+    trainer.train_iterations(2, train, valid)  # iterations 1-2: no router phase yet (τ = 3)
+    middle = _snapshot(trainer)
+    assert log == ["train", "train"]
+    assert _moved(before["expert"], middle["expert"])
+    assert not _moved(before["router"], middle["router"]), "router moved on an expert step"
+
+    trainer.train_iterations(1, train, valid)  # iteration 3: expert step, then s = 2 router steps
+    after = _snapshot(trainer)
+    assert log == ["train", "train", "train", "valid", "valid"]
+    assert _moved(middle["router"], after["router"])
+
+
+def test_experts_never_move_on_router_steps(tiny_model):
+    trainer = _trainer(tiny_model)
+    # Fresh experts are identical (B = 0), so the router would get no gradient yet.
+    for index in range(2):
+        trainer.expert_step(RecordingSampler("train", [])(index))
+    before = _snapshot(trainer)
+    trainer.router_step(torch.randint(0, VOCAB, (2, 16)))
+    after = _snapshot(trainer)
+    assert _moved(before["router"], after["router"])
+    assert not _moved(before["expert"], after["expert"])
+
+
+def test_train_split_ablation_samples_router_batches_from_training_data(tiny_model):
+    method = build_method("comigs", ExpertLayout(), num_users=2, router_data="train")
+    assert method.router_data == "train" and method.name == "comigs-1G1S-tr"
+
+
+def test_joint_router_moves_with_experts(tiny_model):
+    trainer = _trainer(tiny_model, name="local-moe")
+    before = _snapshot(trainer)
+    log: list[str] = []
+    trainer.train_iterations(3, RecordingSampler("train", log), RecordingSampler("valid", log))
+    after = _snapshot(trainer)
+    assert log == ["train"] * 3, "joint routing must never read the validation split"
+    assert _moved(before["router"], after["router"])
+
+
+def test_frozen_lora_a_never_moves_in_ffa_lora(tiny_model):
+    trainer = _trainer(tiny_model, name="ffa-lora")
+    params = dict(trainer.model.named_parameters())
+    a_before = {n: p.detach().clone() for n, p in params.items() if n.endswith("lora_A")}
+    b_before = {n: p.detach().clone() for n, p in params.items() if n.endswith("lora_B")}
+    trainer.train_iterations(2, RecordingSampler("train", []), RecordingSampler("valid", []))
+    assert all(torch.equal(a_before[n], params[n]) for n in a_before)
+    assert any(not torch.equal(b_before[n], params[n]) for n in b_before)
+
+
+def test_optimizer_state_round_trips(tiny_model):
+    trainer = _trainer(tiny_model)
+    trainer.train_iterations(3, RecordingSampler("train", []), RecordingSampler("valid", []))
+    state = trainer.optimizer_state()
+    fresh = _trainer(tiny_model)
+    fresh.load_optimizer_state(state)
+    assert fresh.iteration == 3
+    assert fresh.scheduler.last_epoch == trainer.scheduler.last_epoch == 3
+
+
+def test_one_cycle_cosine_warms_up_then_decays():
+    from ondevice_moe.training import one_cycle_cosine
+
+    factors = [one_cycle_cosine(step, total=20, warmup=2) for step in range(25)]
+    assert factors[0] == pytest.approx(1 / 25)
+    assert factors[2] == pytest.approx(1.0)
+    assert all(a >= b for a, b in itertools.pairwise(factors[2:]))
+    assert factors[20] == pytest.approx(1e-4) and factors[24] == pytest.approx(1e-4)

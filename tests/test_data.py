@@ -1,0 +1,77 @@
+import pytest
+import torch
+
+from ondevice_moe.data.sources import documents
+from ondevice_moe.data.splits import SourceSpec, build_user_data, split_documents, to_blocks
+from ondevice_moe.errors import UserError
+
+
+def _encode(text: str) -> list[int]:
+    return [ord(c) % 200 for c in text]
+
+
+def test_documents_are_dealt_whole_to_one_split():
+    docs = [chr(65 + i) * 30 for i in range(20)]  # each document is one repeated letter
+    streams = split_documents(docs, _encode, eos_id=250, budgets={"train": 200, "valid": 60, "test": 60}, seed=1)
+    letters = {split: {t for t in stream if t != 250} for split, stream in streams.items()}
+    assert not letters["train"] & letters["test"]
+    assert not letters["valid"] & letters["test"]
+    assert not letters["train"] & letters["valid"]
+    assert [len(streams[s]) for s in ("train", "valid", "test")] == [200, 60, 60]
+
+
+def test_split_is_reproducible_and_seed_dependent():
+    docs = [f"document {i} " * 5 for i in range(50)]
+    budgets = {"train": 300, "valid": 100, "test": 100}
+    first = split_documents(docs, _encode, 250, budgets, seed=3)
+    assert first == split_documents(docs, _encode, 250, budgets, seed=3)
+    assert first != split_documents(docs, _encode, 250, budgets, seed=4)
+
+
+def test_blocks_drop_the_ragged_tail():
+    blocks = to_blocks(list(range(70)), 32)
+    assert blocks.shape == (2, 32)
+    assert torch.equal(blocks[1], torch.arange(32, 64))
+
+
+def test_offline_sources_yield_text():
+    for kind in ("python-code", "bbc-news", "rotten-tomatoes", "political-speeches"):
+        first = next(iter(documents(kind, {})))
+        assert isinstance(first, str) and len(first) > 20, kind
+
+
+def test_mixture_takes_each_source_in_proportion(tmp_path, tokenizer):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    for i in range(30):
+        (tmp_path / "a" / f"{i}.txt").write_text("a" * 40)
+        (tmp_path / "b" / f"{i}.txt").write_text("b" * 40)
+    sources = [SourceSpec("text-folder", {"path": str(tmp_path / "a")}, 3.0),
+               SourceSpec("text-folder", {"path": str(tmp_path / "b")}, 1.0)]
+    data = build_user_data("mix", sources, tokenizer, {"train": 400, "valid": 80, "test": 80}, 16, seed=0)
+    a, b = tokenizer.convert_tokens_to_ids("a"), tokenizer.convert_tokens_to_ids("b")
+    counts = {t: int((data.train == t).sum()) for t in (a, b)}
+    assert counts[a] == pytest.approx(3 * counts[b], rel=0.1)
+
+
+def test_too_little_text_names_the_user_and_split(tmp_path, tokenizer):
+    (tmp_path / "one.txt").write_text("just a few words")
+    with pytest.raises(UserError, match=r"user 'tiny' has \d+ (train|valid|test) tokens, fewer than one block"):
+        build_user_data("tiny", [SourceSpec("text-folder", {"path": str(tmp_path)})], tokenizer,
+                        {"train": 1000, "valid": 100, "test": 100}, 32, seed=0)
+
+
+def test_jsonl_errors_name_file_and_line(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_text('{"text": "fine"}\n{not json}\n')
+    with pytest.raises(UserError, match=r"data\.jsonl:2 is not valid JSON"):
+        list(documents("jsonl", {"path": str(path)}))
+    path.write_text('{"body": "no text field"}\n')
+    with pytest.raises(UserError, match="no field 'text'"):
+        list(documents("jsonl", {"path": str(path)}))
+
+
+def test_unreadable_file_is_named(tmp_path):
+    (tmp_path / "bad.txt").write_bytes(b"\xff\xfe\x00 not utf-8 \xff")
+    with pytest.raises(UserError, match=r"cannot read .*bad\.txt"):
+        list(documents("text-folder", {"path": str(tmp_path)}))

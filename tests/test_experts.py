@@ -1,0 +1,86 @@
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from ondevice_moe.experts import LoRA, LoRAAdaptedLinear
+from ondevice_moe.inject import ExpertLayout, attach_experts
+from ondevice_moe.mixture import MixtureMLP, mixtures
+
+
+def test_fresh_experts_leave_outputs_unchanged(tiny_model, tokens):
+    reference = tiny_model(tokens).logits
+    model = attach_experts(tiny_model, ExpertLayout(), seed=0, user=3).eval()
+    assert len(mixtures(model)) == tiny_model.config.num_hidden_layers
+    assert torch.equal(model(tokens).logits, reference)
+
+
+def test_attached_model_shares_frozen_weights_and_trains_only_experts(tiny_model):
+    model = attach_experts(tiny_model, ExpertLayout(), seed=0)
+    base_params = {p.data_ptr() for p in tiny_model.parameters()}
+    for name, param in model.named_parameters():
+        is_expert = name.endswith(("lora_A", "lora_B")) or ".router." in name
+        assert param.requires_grad is False or is_expert, name
+        if not is_expert:
+            assert param.data_ptr() in base_params, f"{name} was copied instead of shared"
+
+
+def test_lora_scaling_is_alpha_over_sqrt_rank():
+    lora = LoRA(5, 3, rank=4, alpha=16.0, generator=torch.Generator().manual_seed(0))
+    assert lora.scaling == pytest.approx(16.0 / math.sqrt(4))
+    with torch.no_grad():
+        lora.lora_B.copy_(torch.randn(3, 4))
+    x = torch.randn(2, 5)
+    expected = 8.0 * x @ lora.lora_A.T @ lora.lora_B.T
+    torch.testing.assert_close(lora(x), expected)
+
+
+def test_adapted_linear_adds_each_adapter():
+    base = nn.Linear(4, 6)
+    adapters = {"shared": LoRA(4, 6, 2, 4.0), "private": LoRA(4, 6, 2, 4.0)}
+    for adapter in adapters.values():
+        nn.init.normal_(adapter.lora_B)
+    layer = LoRAAdaptedLinear(base, adapters)
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(layer(x), base(x) + adapters["shared"](x) + adapters["private"](x))
+
+
+def test_shared_experts_start_identical_across_users_private_ones_differ(tiny_model):
+    layout = ExpertLayout(mlp_experts=("shared_0", "private_0"))
+    first = dict(attach_experts(tiny_model, layout, seed=0, user=0).named_parameters())
+    second = dict(attach_experts(tiny_model, layout, seed=0, user=1).named_parameters())
+    shared_a = [n for n in first if ".shared_0." in n and n.endswith("lora_A")]
+    private_a = [n for n in first if ".private_0." in n and n.endswith("lora_A")]
+    assert shared_a and private_a
+    assert all(torch.equal(first[n], second[n]) for n in shared_a)
+    assert not any(torch.equal(first[n], second[n]) for n in private_a)
+
+
+def _naive_mixture(mixture: MixtureMLP, hidden: torch.Tensor, arch: str) -> torch.Tensor:
+    """Run the frozen MLP once per expert, as CoMiGS's reference code does, and mix."""
+    weights = mixture.router(hidden).weights
+    outputs = []
+    base = mixture.base
+    for expert in mixture.experts.values():
+        if arch == "gpt2":
+            act = base.act(base.c_fc(hidden) + expert["c_fc"](hidden))
+            outputs.append(base.c_proj(act) + expert["c_proj"](act))
+        else:
+            act = base.act_fn(base.gate_proj(hidden) + expert["gate_proj"](hidden)) * (
+                base.up_proj(hidden) + expert["up_proj"](hidden))
+            outputs.append(base.down_proj(act) + expert["down_proj"](act))
+    return sum(weights[..., j : j + 1] * out for j, out in enumerate(outputs))
+
+
+def test_single_pass_mixture_equals_per_expert_mlps(tiny_model):
+    arch = tiny_model.config.model_type
+    layout = ExpertLayout(mlp_experts=("shared_0", "private_0", "private_1"), top_k=2)
+    model = attach_experts(tiny_model, layout, seed=0).eval()
+    mixture = mixtures(model)[0]
+    with torch.no_grad():
+        for param in mixture.parameters():
+            if param.requires_grad:
+                param.normal_(0, 0.2)
+    hidden = torch.randn(2, 7, tiny_model.config.hidden_size)
+    torch.testing.assert_close(mixture(hidden), _naive_mixture(mixture, hidden, arch), rtol=1e-5, atol=1e-5)

@@ -1,0 +1,92 @@
+"""A real Flower simulation: three devices, a tiny GPT-2, three methods."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ondevice_moe import runner
+from ondevice_moe.federation import server_app
+from ondevice_moe.recipe import load_recipe
+
+TINY = Path(__file__).parent / "recipes" / "tiny.yaml"
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    received: list[str] = []
+    original = server_app.Update
+
+    def recording_update(device, tensors, num_examples):
+        received.extend(tensors)
+        return original(device, tensors, num_examples)
+
+    server_app.Update = recording_update
+    try:
+        recipe = load_recipe(TINY)
+        result = runner.run_recipe(recipe, tmp_path_factory.mktemp("run") / "tiny")
+    finally:
+        server_app.Update = original
+    return recipe, result, received
+
+
+def test_every_method_reports_every_user(tiny_run):
+    recipe, result, _ = tiny_run
+    users = [u.name for u in recipe.data.users]
+    assert list(result.summary["methods"]) == ["pretrained", "fedavg", "comigs-1G1S"]
+    for method in result.summary["methods"].values():
+        assert set(method["per_user"]) == set(users)
+
+
+def test_training_lowers_perplexity(tiny_run):
+    _, result, _ = tiny_run
+    methods = result.summary["methods"]
+    for name in ("fedavg", "comigs-1G1S"):
+        assert methods[name]["mean_in"] < methods["pretrained"]["mean_in"]
+
+
+def test_private_tensors_never_reach_the_server(tiny_run):
+    _, _, received = tiny_run
+    assert received, "no shared tensors were received"
+    assert not [n for n in received if "private" in n or ".router." in n]
+
+
+def test_comigs_uploads_less_than_fedavg(tiny_run):
+    _, result, _ = tiny_run
+    methods = result.summary["methods"]
+    assert 0 < methods["comigs-1G1S"]["upload_bytes_per_round"] < methods["fedavg"]["upload_bytes_per_round"]
+
+
+def test_run_folder_holds_recipe_metrics_report_and_plots(tiny_run):
+    _, result, _ = tiny_run
+    run_dir = result.run_dir
+    for name in ("recipe.yaml", "metrics.jsonl", "summary.json", "report.md", "plots/perplexity.png",
+                 "plots/expert_scores_comigs-1G1S.png"):
+        assert (run_dir / name).exists(), name
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    kinds = {r["kind"] for r in records}
+    assert {"train", "eval", "comm"} <= kinds
+    scores = [k for r in records if r["kind"] == "train" and r["method"] == "comigs-1G1S" for k in r
+              if k.startswith("layer_")]
+    assert "layer_0/expert_shared_0_score" in scores
+    assert "| comigs-1G1S |" in (run_dir / "report.md").read_text()
+
+
+def test_rerun_resumes_without_retraining(tiny_run, monkeypatch):
+    recipe, result, _ = tiny_run
+
+    def must_not_run(*_):
+        raise AssertionError("a finished method was simulated again")
+
+    monkeypatch.setattr(runner, "_simulate", must_not_run)
+    again = runner.run_recipe(recipe, result.run_dir)
+    assert again.summary == result.summary
+
+
+def test_other_recipe_in_same_folder_is_refused(tiny_run):
+    from ondevice_moe.errors import UserError
+
+    recipe, result, _ = tiny_run
+    changed = recipe.model_copy(update={"seed": recipe.seed + 1})
+    with pytest.raises(UserError, match="different recipe"):
+        runner.run_recipe(changed, result.run_dir)
