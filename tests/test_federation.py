@@ -90,3 +90,22 @@ def test_other_recipe_in_same_folder_is_refused(tiny_run):
     changed = recipe.model_copy(update={"seed": recipe.seed + 1})
     with pytest.raises(UserError, match="different recipe"):
         runner.run_recipe(changed, result.run_dir)
+
+
+def test_same_seed_gives_the_same_numbers(tiny_run, tmp_path):
+    recipe, result, _ = tiny_run
+    again = runner.run_recipe(recipe.model_copy(update={"methods": recipe.methods[1:2]}), tmp_path / "again")
+    assert again.summary["methods"]["fedavg"] == result.summary["methods"]["fedavg"]
+
+
+def test_lm_table_over_runs(tiny_run, capsys):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("lm_table", Path(__file__).parent.parent / "eval" / "lm_table.py")
+    lm_table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lm_table)
+    _, result, _ = tiny_run
+    lm_table.main([str(result.run_dir), str(result.run_dir)])
+    table = capsys.readouterr().out
+    mean = result.summary["methods"]["comigs-1G1S"]["mean_in"]
+    assert f"| comigs-1G1S | {mean:.2f} (0.00) |" in table

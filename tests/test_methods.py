@@ -82,3 +82,11 @@ def test_misbehaving_updates_are_named():
     assert "shape" in check_update(Update(2, {"a": torch.zeros(3)}, 5), reference)
     assert "unexpected" in check_update(Update(3, {"c": torch.zeros(2)}, 5), reference)
     assert "examples" in check_update(Update(4, {"a": torch.zeros(2)}, 0), reference)
+
+
+def test_unavailable_hub_model_says_what_is_missing():
+    from ondevice_moe.models import load_base_model
+
+    with pytest.raises(UserError, match="cannot load model 'someone/not-cached-model'") as raised:
+        load_base_model("someone/not-cached-model")
+    assert "smollm2-135m" in raised.value.fix

@@ -9,6 +9,8 @@ distribution (the union of all users' test splits).
 
 from __future__ import annotations
 
+import zlib
+
 import torch
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
@@ -30,7 +32,11 @@ def train(msg: Message, context: Context) -> Message:
     device = _device_index(context)
     trainer = dev.restore_trainer(job, device, msg.content.array_records.get("arrays"), context.state)
     seed = job.recipe.seed * 1000 + device
-    batch = job.recipe.data.batch_size
+    # Dropout draws from the global generator: seed it per device and round so a
+    # run gives the same numbers whichever worker process serves the device.
+    torch.manual_seed(zlib.crc32(f"{seed}:{msg.content['config']['server-round']}".encode()))
+    # The centralized upper bound sees every user's batch at once (CoMiGS: 64 × 4).
+    batch = job.recipe.data.batch_size * len(dev.users_of_device(job, device))
     train_blocks = dev.device_split(job, device, "train")
     router_split = "valid" if job.method.router_data == "valid" else "train"
     metrics = trainer.train_iterations(

@@ -66,13 +66,21 @@ class Job:
 _JOBS: dict[str, Job] = {}
 
 
+def _locate(recipe: str) -> Path:
+    """A recipe path as given, else relative to the app folder (``flwr run`` runs elsewhere)."""
+    path = Path(recipe)
+    if path.is_absolute() or path.exists():
+        return path
+    return Path(__file__).resolve().parents[2] / path
+
+
 def job_from_context(context: Context) -> Job:
     """The job of this run, from the run config (``flwr run``) or ``$ONDEVICE_MOE_JOB``."""
     config = context.run_config
     if config.get("recipe"):
         key = f"{config['recipe']}|{config.get('method', 0)}|{config.get('run-dir', '')}"
         if key not in _JOBS:
-            recipe = load_recipe(str(config["recipe"]))
+            recipe = load_recipe(_locate(str(config["recipe"])))
             run_dir = Path(str(config.get("run-dir") or Path("runs") / recipe.name))
             _JOBS[key] = Job(recipe, int(config.get("method", 0)), run_dir)
         return _JOBS[key]
