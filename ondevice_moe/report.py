@@ -74,7 +74,7 @@ def summarize(records: list[dict[str, Any]], methods: list[str], users: list[str
 
 def markdown_table(summary: dict[str, Any]) -> str:
     users = summary["users"]
-    header = ["method", *users, "mean (std) in-dist", "mean (std) out-of-dist", "upload / round"]
+    header = ["method", *users, "mean (std) in-dist", "mean (std) out-of-dist", "upload / round (all devices)"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     best_in = min((m["mean_in"] for m in summary["methods"].values()), default=None)
     for name, m in summary["methods"].items():
@@ -88,11 +88,13 @@ def markdown_table(summary: dict[str, Any]) -> str:
 
 
 def _bytes(count: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if count < 1024 or unit == "GiB":
-            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+    if count < 1024:
+        return f"{count:.0f} B"
+    for unit in ("KiB", "MiB", "GiB"):
         count /= 1024
-    return ""
+        if count < 1024 or unit == "GiB":
+            break
+    return f"{count:.1f} {unit}"
 
 
 def write_report(run_dir: Path, recipe_name: str, summary: dict[str, Any], plots: list[Path]) -> Path:

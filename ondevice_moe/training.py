@@ -1,5 +1,5 @@
 """A device's local procedure: expert steps on the training split, router steps
-on the validation split (CoMiGS Alg. 1), and perplexity evaluation.
+on the validation split (CoMiGS Alg. 1), and the per-block likelihoods behind test perplexity.
 
 These are plain functions over a model with experts attached; the Flower
 client calls them, and unit tests call them directly.
@@ -185,8 +185,3 @@ def block_nll(model: nn.Module, blocks: torch.Tensor, batch_size: int) -> torch.
 def perplexity_of(nll: torch.Tensor, context_length: int) -> float:
     """exp(mean NLL per predicted token) of blocks whose summed NLLs are ``nll``."""
     return math.exp(float(nll.sum()) / (nll.numel() * (context_length - 1)))
-
-
-def perplexity(model: nn.Module, blocks: torch.Tensor, batch_size: int) -> float:
-    """Test perplexity of ``model`` on ``blocks``."""
-    return perplexity_of(block_nll(model, blocks, batch_size), blocks.shape[1])

@@ -52,14 +52,6 @@ class Method:
     def trains(self) -> bool:
         return any(layout is not None for layout in self.layouts)
 
-    @property
-    def is_federated(self) -> bool:
-        return any(
-            any(role.startswith("shared") for role in (*layout.attention_roles, *layout.mlp_experts))
-            for layout in self.layouts
-            if layout is not None
-        )
-
     def role_of(self, name: str) -> Role:
         """The role of a trainable parameter, from its name."""
         parts = name.split(".")
