@@ -38,8 +38,9 @@ def finetune(
 
     try:
         loaded = load_recipe(_find_recipe(recipe), set_, seed)
-        console.print(f"[bold]{loaded.name}[/]: {len(loaded.data.users)} users, model {loaded.model.name}, "
-                      f"methods {', '.join(m.name + (('-' + m.variant) if m.variant else '') for m in loaded.methods)}")
+        what = f"task {loaded.task.name}, " if loaded.task else ""
+        console.print(f"[bold]{loaded.name}[/]: {what}{len(loaded.user_names)} devices, model {loaded.model.name}, "
+                      f"methods {', '.join(_method_label(m) for m in loaded.methods)}")
         with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                       TimeElapsedColumn(), TextColumn("{task.fields[status]}"), console=console) as progress:
             tasks: dict[str, int] = {}
@@ -57,14 +58,23 @@ def finetune(
     console.print(f"report: {result.report}\nsummary: {result.run_dir / 'summary.json'}")
 
 
+def _method_label(entry) -> str:
+    extras = [entry.variant, entry.ablation, f"k{entry.top_k}" if entry.top_k else None]
+    return "-".join([entry.name, *(e for e in extras if e)])
+
+
 def _print_summary(summary: dict) -> None:
-    users = summary["users"]
-    table = Table(title="Test perplexity after the last round (lower is better)")
-    for column in ["method", *users, "mean (std) in-dist", "mean (std) out-of-dist"]:
+    from ondevice_moe.report import table_rows
+
+    header, rows = table_rows(summary)
+    language = any("mean_in" in m for m in summary["methods"].values())
+    title = "Test perplexity after the last round (lower is better)" if language else \
+        "Test score ×100 after the last round (higher is better)"
+    table = Table(title=title)
+    for column in header:
         table.add_column(column, justify="left" if column == "method" else "right")
-    for name, m in summary["methods"].items():
-        table.add_row(name, *(f"{m['per_user'][u]['in']:.2f}" for u in users),
-                      f"{m['mean_in']:.2f} ({m['std_in']:.2f})", f"{m['mean_out']:.2f} ({m['std_out']:.2f})")
+    for row in rows:
+        table.add_row(*row)
     console.print(table)
 
 

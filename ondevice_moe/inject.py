@@ -86,7 +86,7 @@ def architecture_of(model: nn.Module) -> Architecture:
     return ARCHITECTURES[model_type]
 
 
-def _generator(seed: int, *parts: object) -> torch.Generator:
+def expert_generator(seed: int, *parts: object) -> torch.Generator:
     """A generator whose seed depends only on ``seed`` and the expert's identity."""
     key = ":".join(str(p) for p in (seed, *parts))
     return torch.Generator().manual_seed(zlib.crc32(key.encode()))
@@ -97,13 +97,27 @@ def _init_seed_parts(role_key: str, user: int) -> tuple[object, ...]:
     return (role_key,) if role_key.startswith("shared") else (role_key, "user", user)
 
 
+def frozen_copy(base_model: nn.Module, own: tuple[str, ...] = ()) -> nn.Module:
+    """A structural copy of ``base_model`` that shares its frozen weights.
+
+    Parameters under the module paths in ``own`` (e.g. a classification head
+    that each device trains) are copied instead, so training them never
+    touches the shared base. Every parameter of the copy starts frozen.
+    """
+    shared = {
+        id(tensor): tensor
+        for name, tensor in (*base_model.named_parameters(), *base_model.named_buffers())
+        if not any(name == path or name.startswith(path + ".") for path in own)
+    }
+    model = copy.deepcopy(base_model, memo=shared)
+    model.requires_grad_(False)
+    return model
+
+
 def attach_experts(base_model: nn.Module, layout: ExpertLayout, *, seed: int, user: int = 0) -> nn.Module:
     """Return a copy of ``base_model`` (sharing its frozen weights) with experts attached."""
     arch = architecture_of(base_model)
-    frozen = {id(t): t for t in (*base_model.parameters(), *base_model.buffers())}
-    model = copy.deepcopy(base_model, memo=dict(frozen))
-    for param in model.parameters():
-        param.requires_grad_(False)
+    model = frozen_copy(base_model)
 
     blocks = model.get_submodule(arch.blocks_path)
     hidden_size = model.config.hidden_size
@@ -114,7 +128,7 @@ def attach_experts(base_model: nn.Module, layout: ExpertLayout, *, seed: int, us
             fan_in, fan_out = linear_features(base_linear)
             adapters = {
                 role: LoRA(fan_in, fan_out, layout.rank, layout.alpha,
-                           _generator(seed, index, arch.attention, name, *_init_seed_parts(role, user)))
+                           expert_generator(seed, index, arch.attention, name, *_init_seed_parts(role, user)))
                 for role in layout.attention_roles
             }
             if adapters:
@@ -127,7 +141,7 @@ def attach_experts(base_model: nn.Module, layout: ExpertLayout, *, seed: int, us
         for key in layout.mlp_experts:
             experts[key] = nn.ModuleDict({
                 name: LoRA(*linear_features(getattr(mlp, name)), layout.rank, layout.alpha,
-                           _generator(seed, index, arch.mlp, name, *_init_seed_parts(key, user)))
+                           expert_generator(seed, index, arch.mlp, name, *_init_seed_parts(key, user)))
                 for name in arch.mlp_linears
             })
         setattr(block, arch.mlp, MixtureMLP(mlp, experts, _make_router(layout, hidden_size), arch.mixed_forward))

@@ -15,8 +15,10 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ondevice_moe.data.sources import SOURCES
+from ondevice_moe.data.tasks import TASKS
 from ondevice_moe.errors import UserError
-from ondevice_moe.methods.registry import COMIGS_VARIANTS, METHODS
+from ondevice_moe.methods.hermes import HERMES_ABLATIONS
+from ondevice_moe.methods.registry import COMIGS_VARIANTS, LM_METHODS, METHODS
 from ondevice_moe.models.registry import MODEL_ALIASES
 
 
@@ -119,9 +121,46 @@ class DataSection(_Section):
         return users
 
 
+class TaskSection(_Section):
+    """A classification task dealt to ``clients`` by Dirichlet(α) label skew (Hermes §5.1)."""
+
+    name: str
+    clients: int = Field(8, ge=1)
+    dirichlet_alpha: float = Field(1.0, gt=0)
+    max_train_examples: int | None = Field(None, ge=1)
+    max_test_examples: int | None = Field(None, ge=1)
+    max_length: int = Field(128, ge=4)
+    batch_size: int = Field(32, ge=1)
+    eval_batch_size: int = Field(64, ge=1)
+
+    @field_validator("name")
+    @classmethod
+    def _known_task(cls, name: str) -> str:
+        if name not in TASKS:
+            raise ValueError(f"unknown task '{name}'; use one of {', '.join(TASKS)}")
+        return name
+
+
+class HermesSection(_Section):
+    """Expert and router hyper-parameters of Hermes §5.1 (γ is not given in the paper)."""
+
+    lora_rank: int = Field(8, ge=1)
+    lora_alpha: float = Field(16.0, gt=0)
+    adapter_rank: int = Field(16, ge=1)
+    prefix_length: int = Field(16, ge=1)
+    top_k: int = Field(2, ge=1)
+    temperature: float = Field(0.1, gt=0)
+    gamma: float = Field(0.5, ge=0, le=1)
+    bias_rate: float = Field(0.05, ge=0)
+    gradient_ema: float = Field(0.9, ge=0, lt=1)
+    aggregation_alpha: float = Field(0.5, ge=0)
+    aggregation_epsilon: float = Field(1.0, gt=0)
+
+
 class FederationSection(_Section):
     rounds: int = Field(20, ge=1)
     local_iterations: int = Field(10, ge=1)
+    local_epochs: int | None = Field(None, ge=1)
     weighting: Literal["uniform", "num_examples"] = "uniform"
     cpus_per_client: float = Field(2.0, gt=0)
 
@@ -134,6 +173,8 @@ class TrainingSection(_Section):
     balance_weight: float = Field(0.01, ge=0)
     warmup_fraction: float = Field(0.05, gt=0, lt=1)
     grad_clip: float = Field(1.0, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    lr_schedule: Literal["one-cycle-cosine", "constant"] = "one-cycle-cosine"
 
 
 class MethodEntry(_Section):
@@ -141,6 +182,8 @@ class MethodEntry(_Section):
     variant: str | None = None
     experts: list[int] | None = None
     router_data: Literal["valid", "train"] = "valid"
+    ablation: str | None = None
+    top_k: int | None = Field(None, ge=1)
 
     @model_validator(mode="before")
     @classmethod
@@ -155,24 +198,56 @@ class MethodEntry(_Section):
             raise ValueError(f"method '{self.name}' has no variants (only comigs: {', '.join(COMIGS_VARIANTS)})")
         if self.name == "comigs" and (self.variant or "1G1S") not in COMIGS_VARIANTS:
             raise ValueError(f"unknown comigs variant '{self.variant}'; use one of {', '.join(COMIGS_VARIANTS)}")
+        if (self.ablation is not None or self.top_k is not None) and self.name != "hermes":
+            raise ValueError(f"method '{self.name}' takes no `ablation` or `top_k` (only hermes does)")
+        if self.ablation is not None and self.ablation not in HERMES_ABLATIONS:
+            raise ValueError(f"unknown hermes ablation '{self.ablation}'; use one of {', '.join(HERMES_ABLATIONS)}")
         return self
 
     def options(self) -> dict[str, object]:
+        if self.name == "hermes":
+            return {"ablation": self.ablation, "top_k": self.top_k}
         if self.name != "comigs":
             return {}
         return {"variant": self.variant or "1G1S", "experts": self.experts, "router_data": self.router_data}
 
 
 class Recipe(_Section):
+    """A run: language modelling (``data`` with users) or classification (``task``)."""
+
     name: str
     description: str = ""
     seed: int = 0
     model: ModelSection = ModelSection()
     experts: ExpertsSection = ExpertsSection()
-    data: DataSection
+    hermes: HermesSection = HermesSection()
+    data: DataSection | None = None
+    task: TaskSection | None = None
     federation: FederationSection = FederationSection()
     training: TrainingSection = TrainingSection()
     methods: list[MethodEntry] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _one_kind_of_run(self) -> Recipe:
+        if (self.data is None) == (self.task is None):
+            raise ValueError("give either `data` (language modelling, one domain per user) "
+                             "or `task` (classification with Dirichlet clients), not both or neither")
+        wrong = [m.name for m in self.methods if (m.name in LM_METHODS) != self.is_language_modelling]
+        if wrong:
+            kind = "language-modelling" if self.is_language_modelling else "classification"
+            valid = sorted(LM_METHODS) if self.is_language_modelling else sorted(set(METHODS) - set(LM_METHODS))
+            raise ValueError(f"methods {wrong} do not fit a {kind} recipe; use {', '.join(valid)}")
+        return self
+
+    @property
+    def is_language_modelling(self) -> bool:
+        return self.data is not None
+
+    @property
+    def user_names(self) -> list[str]:
+        if self.data is not None:
+            return [user.name for user in self.data.users]
+        return [f"client_{i}" for i in range(self.task.clients)]
 
 
 # -- loading ------------------------------------------------------------------

@@ -46,8 +46,16 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
     return statistics.fmean(values), statistics.pstdev(values) if len(values) > 1 else 0.0
 
 
+# Evaluation record keys → short names in the summary.
+VALUE_KEYS = {"test_ppl_in": "in", "test_ppl_out": "out", "score": "score"}
+
+
 def summarize(records: list[dict[str, Any]], methods: list[str], users: list[str]) -> dict[str, Any]:
-    """Final per-user and mean (std) perplexities of each method that finished."""
+    """Final per-user values and their mean (std) over users, for each method that finished.
+
+    Language modelling: ``in`` / ``out`` test perplexity; classification: the
+    task's ``score`` (×100).
+    """
     summary: dict[str, Any] = {"users": users, "methods": {}}
     for method in methods:
         evals = [r for r in records if r["method"] == method and r["kind"] == "eval"]
@@ -57,33 +65,41 @@ def summarize(records: list[dict[str, Any]], methods: list[str], users: list[str
         final = {r["user"]: r for r in evals if r["round"] == last_round}
         if set(final) != set(users):
             continue
-        ppl_in = [final[u]["test_ppl_in"] for u in users]
-        ppl_out = [final[u]["test_ppl_out"] for u in users]
+        keys = {key: short for key, short in VALUE_KEYS.items() if key in final[users[0]]}
         comm = [r for r in records if r["method"] == method and r["kind"] == "comm"]
-        mean_in, std_in = _mean_std(ppl_in)
-        mean_out, std_out = _mean_std(ppl_out)
-        summary["methods"][method] = {
+        entry: dict[str, Any] = {
             "rounds": last_round,
-            "per_user": {u: {"in": final[u]["test_ppl_in"], "out": final[u]["test_ppl_out"]} for u in users},
-            "mean_in": mean_in, "std_in": std_in, "mean_out": mean_out, "std_out": std_out,
-            "upload_bytes_per_round": statistics.fmean(r["bytes_up"] for r in comm) if comm else 0.0,
-            "download_bytes_per_round": statistics.fmean(r["bytes_down"] for r in comm) if comm else 0.0,
+            "per_user": {u: {short: final[u][key] for key, short in keys.items()} for u in users},
         }
+        for key, short in keys.items():
+            entry[f"mean_{short}"], entry[f"std_{short}"] = _mean_std([final[u][key] for u in users])
+        entry["upload_bytes_per_round"] = statistics.fmean(r["bytes_up"] for r in comm) if comm else 0.0
+        entry["download_bytes_per_round"] = statistics.fmean(r["bytes_down"] for r in comm) if comm else 0.0
+        summary["methods"][method] = entry
     return summary
 
 
-def markdown_table(summary: dict[str, Any]) -> str:
+def table_rows(summary: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """Header and rows of the results table (per-user values, mean (std), upload per round)."""
     users = summary["users"]
-    header = ["method", *users, "mean (std) in-dist", "mean (std) out-of-dist", "upload / round (all devices)"]
+    methods = summary["methods"]
+    language = any("mean_in" in m for m in methods.values())
+    means = ["mean_in", "mean_out"] if language else ["mean_score"]
+    labels = ["mean (std) in-dist", "mean (std) out-of-dist"] if language else ["mean (std)"]
+    per_user = "in" if language else "score"
+    header = ["method", *users, *labels, "upload / round (all devices)"]
+    rows = []
+    for name, m in methods.items():
+        cells = [f"{m[f'mean_{key[5:]}']:.2f} ({m[f'std_{key[5:]}']:.2f})" for key in means]
+        rows.append([name, *(f"{m['per_user'][u][per_user]:.2f}" for u in users), *cells,
+                     _bytes(m["upload_bytes_per_round"])])
+    return header, rows
+
+
+def markdown_table(summary: dict[str, Any]) -> str:
+    header, rows = table_rows(summary)
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    best_in = min((m["mean_in"] for m in summary["methods"].values()), default=None)
-    for name, m in summary["methods"].items():
-        mean_in = f"{m['mean_in']:.2f} ({m['std_in']:.2f})"
-        if m["mean_in"] == best_in:
-            mean_in = f"**{mean_in}**"
-        cells = [name, *(f"{m['per_user'][u]['in']:.2f}" for u in users), mean_in,
-                 f"{m['mean_out']:.2f} ({m['std_out']:.2f})", _bytes(m["upload_bytes_per_round"])]
-        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
     return "\n".join(lines)
 
 
@@ -99,13 +115,16 @@ def _bytes(count: float) -> str:
 
 def write_report(run_dir: Path, recipe_name: str, summary: dict[str, Any], plots: list[Path]) -> Path:
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
-    lines = [
-        f"# {recipe_name}", "",
+    language = any("mean_in" in m for m in summary["methods"].values())
+    caption = (
         "Test perplexity after the last round (lower is better). Per-user columns are in distribution "
         "(each user's own test split); out of distribution is the union of all users' test splits. "
-        "Mean (std) over users.", "",
-        markdown_table(summary), "",
-    ]
+        "Mean (std) over users."
+        if language else
+        "Test score (×100, higher is better: accuracy, F1 for MRPC, MCC for CoLA, Spearman for STS-B) "
+        "of each client on its own test split after the last round. Mean (std) over clients."
+    )
+    lines = [f"# {recipe_name}", "", caption, "", markdown_table(summary), ""]
     lines += [f"![{p.stem}](plots/{p.name})" for p in plots]
     path = run_dir / "report.md"
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
@@ -144,15 +163,15 @@ def plot_expert_scores(records: list[dict[str, Any]], method: str, path: Path) -
     return path
 
 
-def plot_perplexity(records: list[dict[str, Any]], methods: list[str], path: Path) -> Path | None:
-    """Mean in-distribution test perplexity over rounds, one line per method."""
+def plot_rounds(records: list[dict[str, Any]], methods: list[str], path: Path) -> Path | None:
+    """Mean headline value (in-distribution perplexity or score) over rounds, one line per method."""
     figure, axis = plt.subplots(figsize=(6, 3.6))
     drawn = False
     for method in methods:
         by_round: dict[int, list[float]] = defaultdict(list)
         for r in records:
             if r["method"] == method and r["kind"] == "eval":
-                by_round[r["round"]].append(r["test_ppl_in"])
+                by_round[r["round"]].append(r.get("test_ppl_in", r.get("score")))
         if list(by_round) == [0]:  # an untrained reference, e.g. the pretrained model
             axis.axhline(statistics.fmean(by_round[0]), linestyle="--", color="grey", label=method)
             drawn = True
@@ -165,7 +184,8 @@ def plot_perplexity(records: list[dict[str, Any]], methods: list[str], path: Pat
         plt.close(figure)
         return None
     axis.set_xlabel("round")
-    axis.set_ylabel("mean test perplexity (in-dist)")
+    language = any("test_ppl_in" in r for r in records if r["kind"] == "eval")
+    axis.set_ylabel("mean test perplexity (in-dist)" if language else "mean test score")
     axis.legend()
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

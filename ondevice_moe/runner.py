@@ -22,7 +22,7 @@ from ondevice_moe.errors import UserError
 from ondevice_moe.federation.job import JOB_ENV, Job
 from ondevice_moe.methods import Method
 from ondevice_moe.recipe import Recipe
-from ondevice_moe.report import MetricsLog, plot_expert_scores, plot_perplexity, summarize, write_report
+from ondevice_moe.report import MetricsLog, plot_expert_scores, plot_rounds, summarize, write_report
 
 
 @dataclass
@@ -52,6 +52,9 @@ def check_inputs(recipe: Recipe) -> None:
 
     job = Job(recipe, 0, Path("."))
     device.job_base_model(job)
+    if recipe.task is not None:
+        device.federated_task(job)
+        return
     for user in range(len(recipe.data.users)):
         device.user_data(job, user)
 
@@ -65,7 +68,7 @@ def run_recipe(
     run_dir = prepare_run_dir(recipe, output)
     check_inputs(recipe)
     log = MetricsLog(run_dir / "metrics.jsonl")
-    users = [u.name for u in recipe.data.users]
+    users = recipe.user_names
     methods = [Job(recipe, index, run_dir).method for index in range(len(recipe.methods))]
     for index, method in enumerate(methods):
         job = Job(recipe, index, run_dir)
@@ -74,7 +77,10 @@ def run_recipe(
         _discard_partial(log, method.name)
         if on_method is not None:
             on_method(method.name, index, len(recipe.methods))
-        _simulate(job, on_round)
+        try:
+            _simulate(job, on_round)
+        except Exception as error:  # the ServerApp logged the cause; report it in one line below
+            log.write({"method": method.name, "kind": "error", "message": f"{type(error).__name__}: {error}"})
         if method.name not in summarize(log.read(), [method.name], users)["methods"]:
             errors = [r["message"] for r in log.read() if r.get("method") == method.name and r["kind"] == "error"]
             raise UserError(f"method '{method.name}' did not finish: {errors[-1] if errors else 'see the log above'}",
@@ -84,10 +90,9 @@ def run_recipe(
 
 def finish_report(recipe: Recipe, run_dir: Path, methods: list[Method]) -> RunResult:
     records = MetricsLog(run_dir / "metrics.jsonl").read()
-    users = [u.name for u in recipe.data.users]
     names = [m.name for m in methods]
-    summary = summarize(records, names, users)
-    plots = [p for p in [plot_perplexity(records, names, run_dir / "plots" / "perplexity.png")] if p]
+    summary = summarize(records, names, recipe.user_names)
+    plots = [p for p in [plot_rounds(records, names, run_dir / "plots" / "rounds.png")] if p]
     for method in methods:
         if method.router_update != "none":  # only learned routers have scores worth a plot
             plot = plot_expert_scores(records, method.name, run_dir / "plots" / f"expert_scores_{method.name}.png")

@@ -8,19 +8,23 @@ client calls them, and unit tests call them directly.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 from torch import nn
 
+from ondevice_moe.block_experts import block_routers
 from ondevice_moe.methods import Method
 from ondevice_moe.mixture import mixtures, total_balance_loss
 
 
 @dataclass(frozen=True)
 class TrainingConfig:
-    """CoMiGS App. B.1.2 defaults: lr 2e-3 (one-cycle cosine) for experts, 2e-3
-    constant for routers, τ = 30, s = 10, balance weight 0.01."""
+    """Defaults follow CoMiGS App. B.1.2: lr 2e-3 (one-cycle cosine) for experts,
+    2e-3 constant for routers, τ = 30, s = 10, balance weight 0.01. Hermes uses
+    Adam at 2e-4 with weight decay 1e-4 and a constant rate (§5.1)."""
 
     lr: float = 2e-3
     router_lr: float = 2e-3
@@ -31,11 +35,21 @@ class TrainingConfig:
     total_iterations: int = 200
     warmup_fraction: float = 0.05
     grad_clip: float = 1.0
+    weight_decay: float = 0.0
+    lr_schedule: Literal["one-cycle-cosine", "constant"] = "one-cycle-cosine"
+
+
+Batch = dict[str, torch.Tensor]
+BatchSource = Callable[[int], Batch]
 
 
 @dataclass
 class DeviceTrainer:
-    """The trainable state of one device: its model, optimisers and iteration count."""
+    """The trainable state of one device: its model, optimisers and iteration count.
+
+    A parameter is trainable when the model was built with ``requires_grad``
+    on it (experts, routers, task heads) and the method does not freeze it.
+    """
 
     model: nn.Module
     method: Method
@@ -46,37 +60,35 @@ class DeviceTrainer:
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
+        self.trainable = [(n, p) for n, p in self.model.named_parameters()
+                          if p.requires_grad and self.method.is_trainable(n)]
+        self.block_routers = block_routers(self.model)
         expert_params = self.expert_parameters()
         if self.method.router_update == "joint":
             expert_params += self.router_parameters()
         if expert_params:
-            self.expert_optimizer = torch.optim.AdamW(expert_params, lr=self.config.lr, weight_decay=0.0)
+            self.expert_optimizer = torch.optim.AdamW(expert_params, lr=self.config.lr,
+                                                      weight_decay=self.config.weight_decay)
             total = max(self.config.total_iterations, 1)
             warmup = max(1, round(self.config.warmup_fraction * total))
-            self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-                self.expert_optimizer, lambda step: one_cycle_cosine(step, total, warmup)
-            )
+            schedule = (lambda step: one_cycle_cosine(step, total, warmup)) \
+                if self.config.lr_schedule == "one-cycle-cosine" else (lambda step: 1.0)
+            self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.expert_optimizer, schedule)
         if self.method.router_update == "bilevel" and self.router_parameters():
             self.router_optimizer = torch.optim.AdamW(
                 self.router_parameters(), lr=self.config.router_lr, weight_decay=0.0
             )
 
     # -- parameter groups -------------------------------------------------
-    def _named_trainable(self) -> list[tuple[str, nn.Parameter]]:
-        return [
-            (name, param)
-            for name, param in self.model.named_parameters()
-            if _is_expert_or_router(name) and self.method.is_trainable(name)
-        ]
-
     def expert_parameters(self) -> list[nn.Parameter]:
-        return [p for name, p in self._named_trainable() if "router" not in name.split(".")]
+        return [p for name, p in self.trainable if not _is_router(name)]
 
     def router_parameters(self) -> list[nn.Parameter]:
-        return [p for name, p in self._named_trainable() if "router" in name.split(".")]
+        return [p for name, p in self.trainable if _is_router(name)]
 
     # -- steps ------------------------------------------------------------
-    def train_iterations(self, iterations: int, train_batches, router_batches) -> dict[str, float]:
+    def train_iterations(self, iterations: int, train_batches: BatchSource, router_batches: BatchSource
+                         ) -> dict[str, float]:
         """Run ``iterations`` expert steps, with router phases every τ iterations.
 
         ``train_batches(i)`` and ``router_batches(i)`` return the batch for global
@@ -102,32 +114,39 @@ class DeviceTrainer:
                 metrics[f"layer_{layer}/expert_{name}_score"] = total / max(iterations, 1)
         return metrics
 
-    def expert_step(self, batch: torch.Tensor) -> float:
-        """One step on the experts (CoMiGS eq. 3); routers are held fixed."""
+    def expert_step(self, batch: Batch) -> float:
+        """One step on the experts (CoMiGS eq. 3); routers are held fixed unless trained jointly."""
         return self._step(batch, self.expert_optimizer, train_router=self.method.router_update == "joint",
                           train_experts=True, scheduler=self.scheduler)
 
-    def router_step(self, batch: torch.Tensor) -> float:
+    def router_step(self, batch: Batch) -> float:
         """One step on the routers (CoMiGS eq. 4); experts are held fixed."""
         return self._step(batch, self.router_optimizer, train_router=True, train_experts=False)
 
-    def _step(self, batch, optimizer, *, train_router: bool, train_experts: bool, scheduler=None) -> float:
-        for name, param in self._named_trainable():
-            is_router = "router" in name.split(".")
-            param.requires_grad_(train_router if is_router else train_experts)
-        self.model.train()
-        output = self.model(input_ids=batch, labels=batch)
-        loss = output.loss
-        balance = total_balance_loss(self.model)
-        if balance is not None:
-            loss = loss + self.config.balance_weight * balance
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        torch.nn.utils.clip_grad_norm_(params, self.config.grad_clip)
-        optimizer.step()
-        if scheduler is not None:
-            scheduler.step()
+    def _step(self, batch: Batch, optimizer, *, train_router: bool, train_experts: bool, scheduler=None) -> float:
+        for name, param in self.trainable:
+            param.requires_grad_(train_router if _is_router(name) else train_experts)
+        try:
+            self.model.train()
+            output = self.model(**batch)
+            loss = output.loss
+            balance = total_balance_loss(self.model)
+            if balance is not None:
+                loss = loss + self.config.balance_weight * balance
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            for router in self.block_routers:
+                router.after_backward()
+            params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+            torch.nn.utils.clip_grad_norm_(params, self.config.grad_clip)
+            optimizer.step()
+            for router in self.block_routers:
+                router.update_bias()
+            if scheduler is not None:
+                scheduler.step()
+        finally:
+            for _, param in self.trainable:
+                param.requires_grad_(True)
         return float(output.loss.detach())
 
     # -- persistence --------------------------------------------------------
@@ -146,7 +165,6 @@ class DeviceTrainer:
             if target is not None and state.get(key) is not None:
                 target.load_state_dict(state[key])
 
-
 def one_cycle_cosine(step: int, total: int, warmup: int, start: float = 1 / 25, end: float = 1e-4) -> float:
     """Learning-rate factor of a one-cycle cosine schedule (CoMiGS App. B.1.2).
 
@@ -159,14 +177,16 @@ def one_cycle_cosine(step: int, total: int, warmup: int, start: float = 1 / 25, 
     return end + (1 - end) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def _is_expert_or_router(name: str) -> bool:
-    parts = name.split(".")
-    return "router" in parts or parts[-1] in ("lora_A", "lora_B")
+def _is_router(name: str) -> bool:
+    return "router" in name.split(".")
 
 
 def trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every expert and router tensor of the model (shared and private)."""
-    return {name: param.detach() for name, param in model.named_parameters() if _is_expert_or_router(name)}
+    """Everything a device learns: trainable parameters and the routers' buffers
+    (Hermes bias, gradient view and usage counts)."""
+    state = {name: param.detach() for name, param in model.named_parameters() if param.requires_grad}
+    state.update({name: buffer for name, buffer in model.named_buffers() if _is_router(name)})
+    return state
 
 
 @torch.no_grad()
@@ -185,3 +205,16 @@ def block_nll(model: nn.Module, blocks: torch.Tensor, batch_size: int) -> torch.
 def perplexity_of(nll: torch.Tensor, context_length: int) -> float:
     """exp(mean NLL per predicted token) of blocks whose summed NLLs are ``nll``."""
     return math.exp(float(nll.sum()) / (nll.numel() * (context_length - 1)))
+
+
+@torch.no_grad()
+def predict(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, batch_size: int,
+            regression: bool) -> torch.Tensor:
+    """Class indices (or regression scores) of a sequence-classification model."""
+    model.eval()
+    outputs = []
+    for start in range(0, input_ids.shape[0], batch_size):
+        logits = model(input_ids=input_ids[start : start + batch_size],
+                       attention_mask=attention_mask[start : start + batch_size]).logits.float()
+        outputs.append(logits.squeeze(-1) if regression else logits.argmax(dim=-1))
+    return torch.cat(outputs) if outputs else torch.empty(0)

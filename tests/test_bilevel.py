@@ -40,9 +40,10 @@ class RecordingSampler:
     def __init__(self, split: str, log: list[str]):
         self.split, self.log = split, log
 
-    def __call__(self, index: int) -> torch.Tensor:
+    def __call__(self, index: int) -> dict[str, torch.Tensor]:
         self.log.append(self.split)
-        return torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(index))
+        tokens = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(index))
+        return {"input_ids": tokens, "labels": tokens}
 
 
 def test_router_moves_only_on_router_steps_on_validation_batches(tiny_model):
@@ -69,7 +70,7 @@ def test_experts_never_move_on_router_steps(tiny_model):
     for index in range(2):
         trainer.expert_step(RecordingSampler("train", [])(index))
     before = _snapshot(trainer)
-    trainer.router_step(torch.randint(0, VOCAB, (2, 16)))
+    trainer.router_step(RecordingSampler("valid", [])(99))
     after = _snapshot(trainer)
     assert _moved(before["router"], after["router"])
     assert not _moved(before["expert"], after["expert"])

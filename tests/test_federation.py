@@ -17,9 +17,9 @@ def tiny_run(tmp_path_factory):
     received: list[str] = []
     original = server_app.Update
 
-    def recording_update(device, tensors, num_examples):
+    def recording_update(device, tensors, num_examples, usage):
         received.extend(tensors)
-        return original(device, tensors, num_examples)
+        return original(device, tensors, num_examples, usage)
 
     server_app.Update = recording_update
     try:
@@ -60,7 +60,7 @@ def test_comigs_uploads_less_than_fedavg(tiny_run):
 def test_run_folder_holds_recipe_metrics_report_and_plots(tiny_run):
     _, result, _ = tiny_run
     run_dir = result.run_dir
-    for name in ("recipe.yaml", "metrics.jsonl", "summary.json", "report.md", "plots/perplexity.png",
+    for name in ("recipe.yaml", "metrics.jsonl", "summary.json", "report.md", "plots/rounds.png",
                  "plots/expert_scores_comigs-1G1S.png"):
         assert (run_dir / name).exists(), name
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

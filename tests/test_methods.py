@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from ondevice_moe.errors import UserError
-from ondevice_moe.federation.aggregation import Update, average, check_update
+from ondevice_moe.federation.aggregation import Update, average, check_update, example_weighting
 from ondevice_moe.inject import ExpertLayout, attach_experts
 from ondevice_moe.methods import Role, build_method
 from ondevice_moe.training import DeviceTrainer, TrainingConfig
@@ -71,7 +71,7 @@ def test_average_is_the_mean_over_holders():
     uniform = average(updates)
     torch.testing.assert_close(uniform["a"], torch.tensor([2.0, 4.0]))
     torch.testing.assert_close(uniform["b"], torch.tensor([4.0]))
-    weighted = average(updates, "num_examples")
+    weighted = average(updates, example_weighting("num_examples"))
     torch.testing.assert_close(weighted["a"], torch.tensor([2.5, 5.0]))
 
 

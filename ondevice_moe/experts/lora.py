@@ -1,6 +1,7 @@
 """Low-rank adaptation (LoRA) experts with rank-stabilised scaling.
 
-CoMiGS eq. (5): ``W = W0 + γ·BA`` with ``γ = α/√r`` (rsLoRA, Kalajdzievski 2023).
+CoMiGS eq. (5): ``W = W0 + γ·BA`` with ``γ = α/√r`` (rsLoRA, Kalajdzievski 2023);
+``rank_stabilised=False`` gives the original ``γ = α/r`` (Hu et al., 2022).
 ``A`` has shape ``(r, in)`` and ``B`` shape ``(out, r)`` as in HF PEFT, so a
 user's experts export to PEFT's file format without transposes.
 """
@@ -8,10 +9,13 @@ user's experts export to PEFT's file format without transposes.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
+
+Gate = Callable[[], torch.Tensor | None]
 
 
 def linear_features(layer: nn.Module) -> tuple[int, int]:
@@ -39,13 +43,14 @@ class LoRA(nn.Module):
         rank: int = 8,
         alpha: float = 16.0,
         generator: torch.Generator | None = None,
+        rank_stabilised: bool = True,
     ) -> None:
         super().__init__()
         if rank < 1:
             raise ValueError(f"LoRA rank must be >= 1, got {rank}")
         self.rank = rank
         self.alpha = alpha
-        self.scaling = alpha / math.sqrt(rank)  # CoMiGS eq. (5): γ = α/√r
+        self.scaling = alpha / math.sqrt(rank) if rank_stabilised else alpha / rank  # CoMiGS eq. (5)
         self.lora_A = nn.Parameter(torch.empty(rank, in_features))
         self.lora_B = nn.Parameter(torch.zeros(out_features, rank))
         # Same bound as nn.init.kaiming_uniform_(a=√5), the init PEFT uses for A.
@@ -61,18 +66,22 @@ class LoRA(nn.Module):
 class LoRAAdaptedLinear(nn.Module):
     """A frozen linear layer plus the sum of its LoRA adapters, keyed by role.
 
-    Used on attention projections, where every token takes every adapter.
     The adapter key (``shared``/``private``) carries the role into parameter
-    names, e.g. ``attn.c_attn.adapters.shared.lora_A``.
+    names, e.g. ``attn.c_attn.adapters.shared.lora_A``. ``gate``, when given,
+    returns the router's per-token weight for this expert, shape ``(…, 1)``
+    (Hermes eq. 9); without it every token takes the adapters in full.
     """
 
-    def __init__(self, base: nn.Module, adapters: dict[str, LoRA]) -> None:
+    def __init__(self, base: nn.Module, adapters: dict[str, LoRA], gate: Gate | None = None) -> None:
         super().__init__()
         self.base = base
         self.adapters = nn.ModuleDict(adapters)
+        self.gate = gate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
-        for adapter in self.adapters.values():
-            out = out + adapter(x).to(out.dtype)
-        return out
+        residual = sum(adapter(x) for adapter in self.adapters.values())
+        weight = self.gate() if self.gate is not None else None
+        if weight is not None:
+            residual = weight * residual
+        return out + residual.to(out.dtype)

@@ -1,32 +1,58 @@
 """Server-side aggregation of shared tensors, and the checks that keep one
 misbehaving device from spoiling the global model.
 
-CoMiGS Alg. 1 line 498: θ^G = (1/N) Σ_i θ_i^G, the plain mean of the devices'
-generalists; ``weighting="num_examples"`` gives the FedAvg weighting of
-McMahan et al. (2017) instead.
+* CoMiGS Alg. 1 line 498: θ^G = (1/N) Σ_i θ_i^G, the plain mean of the
+  devices' generalists; ``weighting="num_examples"`` gives the FedAvg
+  weighting of McMahan et al. (2017) instead.
+* Hermes eq. (10)–(11): each expert of each layer is averaged over the
+  clients that uploaded it, with weights ω = (h + ε)^(−α), h being the
+  client's usage count of that expert (α = 1/2, ε = 1).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
 
 @dataclass
 class Update:
-    """The shared tensors one device sent back, with its example count."""
+    """The shared tensors one device sent back, with its example count and,
+    for routed experts, their usage counts (tensor name → tokens routed)."""
 
     device: int
     tensors: dict[str, torch.Tensor]
     num_examples: int
+    usage: dict[str, float] = field(default_factory=dict)
 
 
-def check_update(update: Update, reference: dict[str, torch.Tensor] | None) -> str | None:
+Weighting = Callable[[Update, str], float]
+
+
+def example_weighting(kind: str) -> Weighting:
+    """``uniform`` (CoMiGS) or ``num_examples`` (FedAvg) weights per device."""
+    return (lambda update, _: float(update.num_examples)) if kind == "num_examples" else (lambda _u, _n: 1.0)
+
+
+def inverse_frequency_weighting(alpha: float, epsilon: float, fallback: Weighting) -> Weighting:
+    """Hermes eq. (11) for tensors with a usage count; ``fallback`` for the rest (task heads)."""
+
+    def weight(update: Update, name: str) -> float:
+        if name in update.usage:
+            return (update.usage[name] + epsilon) ** (-alpha)
+        return fallback(update, name)
+
+    return weight
+
+
+def check_update(update: Update, reference: dict[str, torch.Tensor] | None, partial: bool = False) -> str | None:
     """Why ``update`` must be rejected, or ``None`` when it is sound.
 
-    A sound update has finite values and, once a global state exists, exactly
-    the global state's names and shapes.
+    A sound update has finite values and, once a global state exists, the
+    global state's names and shapes (a subset of them when ``partial``: Hermes
+    clients upload only the experts they used).
     """
     if update.num_examples <= 0:
         return f"device {update.device} reported {update.num_examples} training examples"
@@ -35,28 +61,32 @@ def check_update(update: Update, reference: dict[str, torch.Tensor] | None) -> s
             return f"device {update.device} sent non-finite values in {name}"
     if reference:
         missing, extra = set(reference) - set(update.tensors), set(update.tensors) - set(reference)
+        if partial:
+            missing, extra = set(), set()
         if missing or extra:
             return (f"device {update.device} sent unexpected tensors "
                     f"(missing {sorted(missing)[:3]}, extra {sorted(extra)[:3]})")
         for name, tensor in update.tensors.items():
-            if tensor.shape != reference[name].shape:
+            if name in reference and tensor.shape != reference[name].shape:
                 expected = tuple(reference[name].shape)
                 return f"device {update.device} sent {name} with shape {tuple(tensor.shape)}, expected {expected}"
     return None
 
 
-def average(updates: list[Update], weighting: str = "uniform") -> dict[str, torch.Tensor]:
-    """Average each shared tensor over the devices that hold it.
+def average(updates: list[Update], weighting: Weighting | None = None) -> dict[str, torch.Tensor]:
+    """Weighted average of each shared tensor over the devices that sent it (Hermes eq. 10).
 
-    A name held by a subset of devices (e.g. CoMiGS-1GXs users with different
-    expert counts) is averaged over that subset.
+    A name held by a subset of devices (CoMiGS-1GXs users with different
+    expert counts, Hermes clients that used different experts) is averaged
+    over that subset. ``weighting`` defaults to the plain mean.
     """
+    weighting = weighting or example_weighting("uniform")
     sums: dict[str, torch.Tensor] = {}
     totals: dict[str, float] = {}
     dtypes: dict[str, torch.dtype] = {}
     for update in updates:
-        weight = float(update.num_examples) if weighting == "num_examples" else 1.0
         for name, tensor in update.tensors.items():
+            weight = weighting(update, name)
             value = tensor.detach().double() * weight
             sums[name] = sums[name] + value if name in sums else value
             totals[name] = totals.get(name, 0.0) + weight

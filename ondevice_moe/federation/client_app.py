@@ -2,9 +2,11 @@
 
 ``train``: rebuild the device's model from the server's shared tensors and the
 private state in ``context.state``, run the method's local procedure, keep the
-private part, and reply with the shared part only. ``evaluate``: test
+private part, and reply with the shared part only (plus, for Hermes, each
+uploaded expert's usage count). ``evaluate``: for language modelling, test
 perplexity in distribution (the user's own test split) and out of
-distribution (the union of all users' test splits).
+distribution (the union of all users' test splits); for classification, the
+task's metric on the client's own test split.
 """
 
 from __future__ import annotations
@@ -15,9 +17,11 @@ import torch
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
+from ondevice_moe.errors import UserError
 from ondevice_moe.federation import device as dev
-from ondevice_moe.federation.job import job_from_context
-from ondevice_moe.training import block_nll, perplexity_of
+from ondevice_moe.federation.job import Job, job_from_context
+from ondevice_moe.metrics import task_score
+from ondevice_moe.training import DeviceTrainer, block_nll, perplexity_of, predict
 
 app = ClientApp()
 
@@ -35,6 +39,21 @@ def train(msg: Message, context: Context) -> Message:
     # Dropout draws from the global generator: seed it per device and round so a
     # run gives the same numbers whichever worker process serves the device.
     torch.manual_seed(zlib.crc32(f"{seed}:{msg.content['config']['server-round']}".encode()))
+    dev.start_round(trainer.model)
+    if job.recipe.is_language_modelling:
+        metrics, examples = _train_language_model(job, device, trainer, seed)
+    else:
+        metrics, examples = _train_classifier(job, device, trainer, seed)
+    dev.save_private_state(trainer, context.state)
+    metrics.update({"device": device, "num-examples": examples})
+    content = RecordDict({"arrays": ArrayRecord(dev.shared_state(trainer)), "metrics": MetricRecord(metrics)})
+    if job.method.upload_selected_only:
+        shared = set(content["arrays"].keys())
+        content["usage"] = MetricRecord({n: c for n, c in dev.expert_usage(trainer.model).items() if n in shared})
+    return Message(content, reply_to=msg)
+
+
+def _train_language_model(job: Job, device: int, trainer: DeviceTrainer, seed: int) -> tuple[dict, int]:
     # The centralized upper bound sees every user's batch at once (CoMiGS: 64 × 4).
     batch = job.recipe.data.batch_size * len(dev.users_of_device(job, device))
     train_blocks = dev.device_split(job, device, "train")
@@ -44,10 +63,17 @@ def train(msg: Message, context: Context) -> Message:
         dev.batch_sampler(train_blocks, batch, seed, "train"),
         dev.batch_sampler(dev.device_split(job, device, router_split), batch, seed, f"router-{router_split}"),
     )
-    dev.save_private_state(trainer, context.state)
-    metrics.update({"device": device, "num-examples": int(train_blocks.shape[0])})
-    content = RecordDict({"arrays": ArrayRecord(dev.shared_state(trainer)), "metrics": MetricRecord(metrics)})
-    return Message(content, reply_to=msg)
+    return metrics, int(train_blocks.shape[0])
+
+
+def _train_classifier(job: Job, device: int, trainer: DeviceTrainer, seed: int) -> tuple[dict, int]:
+    examples = dev.federated_task(job).train[device]
+    sampler, per_epoch = dev.epoch_sampler(examples, job.recipe.task.batch_size, seed)
+    epochs = job.recipe.federation.local_epochs
+    iterations = epochs * per_epoch if epochs else job.recipe.federation.local_iterations
+    # The trainer's iteration count runs on across rounds, and so do the epochs.
+    metrics = trainer.train_iterations(iterations, sampler, sampler)
+    return metrics, len(examples)
 
 
 @app.evaluate()
@@ -55,14 +81,36 @@ def evaluate(msg: Message, context: Context) -> Message:
     job = job_from_context(context)
     device = _device_index(context)
     model = dev.restore_trainer(job, device, msg.content.array_records.get("arrays"), context.state).model
+    if job.recipe.is_language_modelling:
+        metrics = _evaluate_language_model(job, device, model)
+    else:
+        metrics = _evaluate_classifier(job, device, model)
+    metrics["device"] = device
+    return Message(RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)
+
+
+def _evaluate_language_model(job: Job, device: int, model) -> dict[str, float]:
     batch = job.recipe.data.eval_batch_size
     per_user = [dev.eval_blocks(job, u) for u in range(len(job.recipe.data.users))]
     union_nll = block_nll(model, torch.cat(per_user), batch)
     context_length = per_user[0].shape[1]
     offsets = torch.tensor([0, *(b.shape[0] for b in per_user)]).cumsum(0).tolist()
-    metrics: dict[str, float] = {"device": device, "num-examples": int(union_nll.numel())}
+    metrics: dict[str, float] = {"num-examples": int(union_nll.numel())}
     for user in dev.users_of_device(job, device):
         own = union_nll[offsets[user] : offsets[user + 1]]
         metrics[f"user_{user}/test_ppl_in"] = perplexity_of(own, context_length)
         metrics[f"user_{user}/test_ppl_out"] = perplexity_of(union_nll, context_length)
-    return Message(RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)
+    return metrics
+
+
+def _evaluate_classifier(job: Job, device: int, model) -> dict[str, float]:
+    federated = dev.federated_task(job)
+    examples = federated.test[device]
+    if len(examples) == 0:
+        raise UserError(f"client {device} has no test examples",
+                        "raise task.max_test_examples, use fewer clients, or a larger dirichlet_alpha")
+    task = federated.task
+    predictions = predict(model, examples.input_ids, examples.attention_mask, job.recipe.task.eval_batch_size,
+                          task.is_regression)
+    score = 100.0 * task_score(task.metric, predictions.numpy(), examples.labels.numpy())
+    return {"num-examples": len(examples), f"user_{device}/score": score}

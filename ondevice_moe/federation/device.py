@@ -5,6 +5,7 @@ the server plus private state kept in Flower's ``context.state``.
 
 from __future__ import annotations
 
+import copy
 import io
 import zlib
 from functools import lru_cache
@@ -13,7 +14,10 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 from torch import nn
 
+from ondevice_moe.block_experts import BlockLayout, attach_block_experts, block_routers
+from ondevice_moe.data.classification import FederatedTask, build_federated_task
 from ondevice_moe.data.splits import SourceSpec, UserData, build_user_data
+from ondevice_moe.data.tasks import get_task
 from ondevice_moe.federation.job import Job
 from ondevice_moe.inject import attach_experts
 from ondevice_moe.methods import Role
@@ -25,14 +29,29 @@ OPTIMIZER_KEY = "optimizer"
 
 
 @lru_cache(maxsize=2)
-def base_model(name: str, dtype: str, quantization: str) -> LoadedModel:
+def base_model(name: str, dtype: str, quantization: str, num_labels: int | None, seed: int) -> LoadedModel:
     """The frozen base model, loaded once per process."""
-    return load_base_model(name, dtype, quantization)
+    return load_base_model(name, dtype, quantization, num_labels, seed)
 
 
 def job_base_model(job: Job) -> LoadedModel:
     model = job.recipe.model
-    return base_model(model.name, model.dtype, model.quantization)
+    num_labels = get_task(job.recipe.task.name).num_labels if job.recipe.task else None
+    return base_model(model.name, model.dtype, model.quantization, num_labels, job.recipe.seed)
+
+
+_TASKS: dict[str, FederatedTask] = {}
+
+
+def federated_task(job: Job) -> FederatedTask:
+    """The classification task dealt to the clients, built once per process."""
+    task = job.recipe.task
+    key = task.model_dump_json() + job.recipe.model.name + str(job.recipe.seed)
+    if key not in _TASKS:
+        _TASKS[key] = build_federated_task(
+            task.name, task.clients, task.dirichlet_alpha, job_base_model(job).tokenizer, task.max_length,
+            job.recipe.seed, task.max_train_examples, task.max_test_examples)
+    return _TASKS[key]
 
 
 _DATA: dict[tuple[str, int], UserData] = {}
@@ -66,10 +85,25 @@ def eval_blocks(job: Job, user: int) -> torch.Tensor:
 
 
 def build_model(job: Job, device: int) -> nn.Module:
-    """The device's model: the shared base with this device's experts attached."""
+    """The device's model: the shared base with this device's experts (and task head) attached."""
     layout = job.method.layouts[device]
     base = job_base_model(job).model
+    if job.method.full_finetune:
+        model = copy.deepcopy(base)
+        return model.requires_grad_(True)
+    if isinstance(layout, BlockLayout):
+        heads = head_paths(base)
+        model = attach_block_experts(base, layout, seed=job.recipe.seed, own=heads)
+        for path in heads:
+            model.get_submodule(path).requires_grad_(True)
+        return model
     return base if layout is None else attach_experts(base, layout, seed=job.recipe.seed, user=device)
+
+
+def head_paths(model: nn.Module) -> tuple[str, ...]:
+    """The task head of a sequence classifier (trained and averaged like FedAvg)."""
+    return tuple(name for name, _ in model.named_modules()
+                 if name in ("classifier", "score") or name.endswith(".pooler"))
 
 
 def restore_trainer(job: Job, device: int, shared: ArrayRecord | None, state: RecordDict) -> DeviceTrainer:
@@ -82,7 +116,7 @@ def restore_trainer(job: Job, device: int, shared: ArrayRecord | None, state: Re
     if shared is not None and len(shared) > 0:
         tensors.update(shared.to_torch_state_dict())
     if tensors:
-        missing = set(tensors) - set(dict(model.named_parameters()))
+        missing = set(tensors) - set(model.state_dict())
         if missing:
             raise ValueError(f"received tensors this device does not hold: {sorted(missing)[:3]}")
         model.load_state_dict(tensors, strict=False)
@@ -102,20 +136,55 @@ def save_private_state(trainer: DeviceTrainer, state: RecordDict) -> None:
 
 
 def shared_state(trainer: DeviceTrainer) -> dict[str, torch.Tensor]:
-    """The tensors that leave the device: shared and trainable."""
+    """The tensors that leave the device: shared and trainable.
+
+    With ``upload_selected_only`` (Hermes), experts that no token selected in
+    the round stay home.
+    """
+    usage = expert_usage(trainer.model)
     return {
         name: tensor.clone()
         for name, tensor in trainable_state(trainer.model).items()
         if trainer.method.role_of(name) is Role.SHARED and trainer.method.is_trainable(name)
+        and not (trainer.method.upload_selected_only and usage.get(name, 1.0) == 0)
     }
+
+
+def expert_usage(model: nn.Module) -> dict[str, float]:
+    """Tokens routed to each routed expert's tensors since the round began (Hermes ``h``)."""
+    by_id = {}
+    for router in block_routers(model):
+        for index, kind in enumerate(router.experts):
+            for param in router.expert_params.get(kind, []):
+                by_id[id(param)] = float(router.usage[index])
+    return {name: by_id[id(param)] for name, param in model.named_parameters() if id(param) in by_id}
+
+
+def start_round(model: nn.Module) -> None:
+    """Reset the routers' usage counts: each upload reports one round's usage."""
+    for router in block_routers(model):
+        router.usage.zero_()
+
+
+def epoch_sampler(examples, batch_size: int, seed: int):
+    """``sample(i)``: batch ``i`` of seeded epoch permutations of a client's examples."""
+    per_epoch = max(1, -(-len(examples) // batch_size))
+
+    def sample(index: int) -> dict[str, torch.Tensor]:
+        epoch, position = divmod(index - 1, per_epoch)
+        order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(
+            zlib.crc32(f"{seed}:epoch:{epoch}".encode())))
+        return examples.batch(order[position * batch_size : (position + 1) * batch_size])
+
+    return sample, per_epoch
 
 
 def batch_sampler(blocks: torch.Tensor, batch_size: int, seed: int, stream: str):
     """``sample(i)``: a batch of random blocks, the same for the same ``(seed, stream, i)``."""
 
-    def sample(index: int) -> torch.Tensor:
+    def sample(index: int) -> dict[str, torch.Tensor]:
         generator = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{stream}:{index}".encode()))
         rows = torch.randint(0, blocks.shape[0], (batch_size,), generator=generator)
-        return blocks[rows]
+        return {"input_ids": blocks[rows], "labels": blocks[rows]}
 
     return sample

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
 
 from flwr.app import Context
 
+from ondevice_moe.block_experts import BlockLayout
 from ondevice_moe.inject import ExpertLayout
 from ondevice_moe.methods import Method, build_method
 from ondevice_moe.recipe import Recipe, load_recipe, validate_recipe
@@ -33,22 +34,37 @@ class Job:
     @cached_property
     def method(self) -> Method:
         entry = self.recipe.methods[self.method_index]
-        return build_method(entry.name, self.base_layout, len(self.recipe.data.users), **entry.options())
+        if self.recipe.is_language_modelling:
+            return build_method(entry.name, self.expert_layout, len(self.recipe.user_names), **entry.options())
+        method = build_method(entry.name, self.block_layout, len(self.recipe.user_names), **entry.options())
+        return replace(method, aggregation_alpha=self.recipe.hermes.aggregation_alpha,
+                       aggregation_epsilon=self.recipe.hermes.aggregation_epsilon)
 
     @property
-    def base_layout(self) -> ExpertLayout:
+    def expert_layout(self) -> ExpertLayout:
         experts = self.recipe.experts
         return ExpertLayout(rank=experts.lora_rank, alpha=experts.lora_alpha, top_k=experts.top_k,
                             balance_form=experts.balance_form)
+
+    @property
+    def block_layout(self) -> BlockLayout:
+        h = self.recipe.hermes
+        return BlockLayout(lora_rank=h.lora_rank, lora_alpha=h.lora_alpha, adapter_rank=h.adapter_rank,
+                           prefix_length=h.prefix_length, top_k=h.top_k, temperature=h.temperature,
+                           gamma=h.gamma, bias_rate=h.bias_rate, gradient_ema=h.gradient_ema)
+
+    @property
+    def batch_size(self) -> int:
+        return self.recipe.data.batch_size if self.recipe.data else self.recipe.task.batch_size
 
     @property
     def training(self) -> TrainingConfig:
         t, fed = self.recipe.training, self.recipe.federation
         return TrainingConfig(
             lr=t.lr, router_lr=t.router_lr, router_period=t.router_period, router_steps=t.router_steps,
-            balance_weight=t.balance_weight, batch_size=self.recipe.data.batch_size,
+            balance_weight=t.balance_weight, batch_size=self.batch_size,
             total_iterations=fed.rounds * fed.local_iterations, warmup_fraction=t.warmup_fraction,
-            grad_clip=t.grad_clip,
+            grad_clip=t.grad_clip, weight_decay=t.weight_decay, lr_schedule=t.lr_schedule,
         )
 
     def to_file(self, path: Path) -> Path:

@@ -15,7 +15,14 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
-from ondevice_moe.federation.aggregation import Update, average, check_update
+from ondevice_moe.federation.aggregation import (
+    Update,
+    Weighting,
+    average,
+    check_update,
+    example_weighting,
+    inverse_frequency_weighting,
+)
 from ondevice_moe.federation.job import Job, job_from_context
 from ondevice_moe.report import MetricsLog
 
@@ -44,19 +51,20 @@ def run_federation(grid: Grid, job: Job) -> None:
     method = job.method
     log = MetricsLog(job.run_dir / "metrics.jsonl")
     nodes = _wait_for_nodes(grid, len(method.layouts))
-    users = [u.name for u in job.recipe.data.users]
+    users = job.recipe.user_names
+    weighting = _weighting(job)
     total_rounds = job.recipe.federation.rounds if method.trains else 0
     shared: dict[str, torch.Tensor] = {}
     if total_rounds == 0:
         mean_in = _evaluate(grid, nodes, shared, job, users, 0, log)
         if progress_hook is not None:
-            progress_hook(0, 0, f"evaluated: mean test ppl {mean_in:.2f}")
+            progress_hook(0, 0, f"evaluated: mean {mean_in:.2f}")
     for server_round in range(1, total_rounds + 1):
         started = time.perf_counter()
         updates, bytes_up = _train_round(grid, nodes, shared, job, server_round, log)
         sound = []
         for update in updates:
-            problem = check_update(update, shared or None)
+            problem = check_update(update, shared or None, partial=method.upload_selected_only)
             if problem:
                 log.write({"method": method.name, "round": server_round, "kind": "warning",
                            "message": f"update rejected: {problem}"})
@@ -65,14 +73,16 @@ def run_federation(grid: Grid, job: Job) -> None:
         if not sound:
             raise RuntimeError(f"round {server_round}: no device sent a usable update; see metrics.jsonl")
         if any(u.tensors for u in sound):
-            shared = average(sound, job.recipe.federation.weighting)
+            # Experts nobody uploaded this round keep their last global value (Hermes broadcasts all).
+            shared = {**shared, **average(sound, weighting)}
         down_bytes = _bytes(shared) * len(nodes)
         log.write({"method": method.name, "round": server_round, "kind": "comm", "bytes_up": bytes_up,
                    "bytes_down": down_bytes, "devices": len(sound)})
         mean_in = _evaluate(grid, nodes, shared, job, users, server_round, log)
         if progress_hook is not None:
+            label = "mean test ppl" if job.recipe.is_language_modelling else "mean score"
             progress_hook(server_round, total_rounds,
-                          f"round {server_round}: mean test ppl {mean_in:.2f}, "
+                          f"round {server_round}: {label} {mean_in:.2f}, "
                           f"upload {bytes_up / 1024:.0f} KiB, {time.perf_counter() - started:.0f}s")
 
 
@@ -84,9 +94,12 @@ def _train_round(grid: Grid, nodes: list[int], shared: dict[str, torch.Tensor], 
         metrics = dict(reply.content["metrics"])
         arrays = reply.content["arrays"]
         bytes_up += _record_bytes(arrays)
+        if "usage" in reply.content:
+            bytes_up += reply.content["usage"].count_bytes()
         device = int(metrics.pop("device"))
-        updates.append(Update(device, dict(arrays.to_torch_state_dict()), int(metrics["num-examples"])))
-        user = job.recipe.data.users[device].name if not job.method.centralized else "all"
+        usage = dict(reply.content["usage"]) if "usage" in reply.content else {}
+        updates.append(Update(device, dict(arrays.to_torch_state_dict()), int(metrics["num-examples"]), usage))
+        user = job.recipe.user_names[device] if not job.method.centralized else "all"
         log.write({"method": job.method.name, "round": server_round, "kind": "train", "user": user, **metrics})
     return updates, bytes_up
 
@@ -94,16 +107,24 @@ def _train_round(grid: Grid, nodes: list[int], shared: dict[str, torch.Tensor], 
 def _evaluate(grid: Grid, nodes: list[int], shared: dict[str, torch.Tensor], job: Job, users: list[str],
               server_round: int, log: MetricsLog) -> float:
     replies = _send(grid, nodes, shared, MessageType.EVALUATE, server_round)
-    values_in = []
+    headline = []
     for reply in replies:
         metrics = reply.content["metrics"]
         for index, name in enumerate(users):
-            key = f"user_{index}/test_ppl_in"
-            if key in metrics:
-                values_in.append(metrics[key])
+            values = {key.split("/", 1)[1]: value for key, value in metrics.items()
+                      if key.startswith(f"user_{index}/")}
+            if values:
+                headline.append(values.get("test_ppl_in", values.get("score")))
                 log.write({"method": job.method.name, "round": server_round, "kind": "eval", "user": name,
-                           "test_ppl_in": metrics[key], "test_ppl_out": metrics[f"user_{index}/test_ppl_out"]})
-    return sum(values_in) / max(len(values_in), 1)
+                           **values})
+    return sum(headline) / max(len(headline), 1)
+
+
+def _weighting(job: Job) -> Weighting:
+    per_device = example_weighting(job.recipe.federation.weighting)
+    if job.method.aggregation == "inverse_frequency":
+        return inverse_frequency_weighting(job.method.aggregation_alpha, job.method.aggregation_epsilon, per_device)
+    return per_device
 
 
 def _send(grid: Grid, nodes: list[int], shared: dict[str, torch.Tensor], kind: str, server_round: int) -> list[Message]:

@@ -2,6 +2,6 @@
 and how the device trains them. One registry for CoMiGS and its baselines."""
 
 from ondevice_moe.methods.base import Method, Role
-from ondevice_moe.methods.registry import METHODS, build_method
+from ondevice_moe.methods.registry import LM_METHODS, METHODS, build_method
 
-__all__ = ["METHODS", "Method", "Role", "build_method"]
+__all__ = ["LM_METHODS", "METHODS", "Method", "Role", "build_method"]

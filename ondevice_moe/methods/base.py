@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Literal
 
+from ondevice_moe.block_experts import BlockLayout
 from ondevice_moe.inject import ExpertLayout
 
 
@@ -23,6 +24,7 @@ class Role(str, Enum):
 
 
 RouterUpdate = Literal["none", "joint", "bilevel"]
+Aggregation = Literal["mean", "inverse_frequency"]
 
 
 @dataclass(frozen=True)
@@ -37,20 +39,31 @@ class Method:
     ``private_matrices`` stay local even inside shared experts (FedSA-LoRA keeps
     ``lora_B``). ``share_router``: the server averages routers too (FedAvg-MoE).
     ``centralized``: one device holds every user's training data.
+
+    For classification (Hermes): ``layouts`` hold :class:`BlockLayout`s;
+    ``full_finetune`` trains every weight (FedFT); ``upload_selected_only``
+    sends only experts that routed at least one token in the round, with their
+    usage counts; ``aggregation="inverse_frequency"`` weighs each upload by
+    ``(h + ε)^(−α)`` (Hermes eq. 10–11), task heads by example counts (FedAvg).
     """
 
     name: str
-    layouts: tuple[ExpertLayout | None, ...]
+    layouts: tuple[ExpertLayout | BlockLayout | None, ...]
     router_update: RouterUpdate = "none"
     router_data: Literal["valid", "train"] = "valid"
     frozen_matrices: frozenset[str] = field(default_factory=frozenset)
     private_matrices: frozenset[str] = field(default_factory=frozenset)
     share_router: bool = False
     centralized: bool = False
+    full_finetune: bool = False
+    upload_selected_only: bool = False
+    aggregation: Aggregation = "mean"
+    aggregation_alpha: float = 0.5
+    aggregation_epsilon: float = 1.0
 
     @property
     def trains(self) -> bool:
-        return any(layout is not None for layout in self.layouts)
+        return self.full_finetune or any(layout is not None for layout in self.layouts)
 
     def role_of(self, name: str) -> Role:
         """The role of a trainable parameter, from its name."""

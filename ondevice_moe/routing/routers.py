@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ondevice_moe.routing.balance import generalist_balance_loss, switch_balance_loss
+from ondevice_moe.routing.topk import top_k_softmax
 
 BalanceForm = Literal["uniform", "generalist"]
 
@@ -71,10 +72,8 @@ class TokenTopKRouter(nn.Module):
     def forward(self, hidden: torch.Tensor) -> Routing:
         logits = self.gate(hidden.to(self.gate.weight.dtype)).float()
         probs = torch.softmax(logits, dim=-1)
-        top_probs, top_index = probs.topk(self.top_k, dim=-1)
-        top_weights = top_probs / top_probs.sum(dim=-1, keepdim=True)
-        weights = torch.zeros_like(probs).scatter(-1, top_index, top_weights)
-        selected = torch.zeros_like(probs).scatter(-1, top_index, 1.0)
+        # The softmax over the top-k logits is the full softmax renormalised over the top-k.
+        weights, selected = top_k_softmax(logits, self.top_k)
         if self.balance_form == "generalist":
             balance = generalist_balance_loss(probs, selected)
         else:

@@ -1,0 +1,76 @@
+"""Per-client classification data: a task's examples dealt to clients by a
+Dirichlet label-skew partition (Hermes §5.1), tokenized once per process.
+
+The same label proportions split the training and the test examples, so each
+client is tested on data with its own label skew.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ondevice_moe.data.partition import dirichlet_partition, label_bins, partition_by_proportions
+from ondevice_moe.data.tasks import TaskSpec, get_task, load_task
+
+
+@dataclass
+class ClientExamples:
+    """One client's tokenized examples: ``input_ids``/``attention_mask`` (N × L) and ``labels`` (N)."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    labels: torch.Tensor
+
+    def __len__(self) -> int:
+        return int(self.labels.shape[0])
+
+    def batch(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.input_ids[rows], "attention_mask": self.attention_mask[rows],
+                "labels": self.labels[rows]}
+
+
+@dataclass
+class FederatedTask:
+    task: TaskSpec
+    train: list[ClientExamples]
+    test: list[ClientExamples]
+
+
+def build_federated_task(
+    name: str,
+    num_clients: int,
+    alpha: float,
+    tokenizer,
+    max_length: int,
+    seed: int,
+    max_train_examples: int | None = None,
+    max_test_examples: int | None = None,
+) -> FederatedTask:
+    """Load a task, partition it over ``num_clients`` by Dirichlet(α) label skew, tokenize."""
+    task = get_task(name)
+    train = load_task(name, "train", max_train_examples, seed)
+    test = load_task(name, "test", max_test_examples, seed)
+    train_classes = _classes(task, train.labels)
+    parts, proportions = dirichlet_partition(train_classes, num_clients, alpha, seed)
+    test_parts = partition_by_proportions(_classes(task, test.labels), proportions, seed)
+    label_dtype = torch.float32 if task.is_regression else torch.long
+    return FederatedTask(
+        task=task,
+        train=[_tokenize(train.texts, train.labels, rows, tokenizer, max_length, label_dtype) for rows in parts],
+        test=[_tokenize(test.texts, test.labels, rows, tokenizer, max_length, label_dtype) for rows in test_parts],
+    )
+
+
+def _classes(task: TaskSpec, labels: list[float]) -> list[int]:
+    """Class indices to partition on; regression scores are binned (STS-B)."""
+    return label_bins(labels) if task.is_regression else [int(label) for label in labels]
+
+
+def _tokenize(texts, labels, rows, tokenizer, max_length: int, label_dtype) -> ClientExamples:
+    columns = list(zip(*(texts[i] for i in rows), strict=True)) if rows else [[]]
+    encoded = tokenizer(*columns, truncation=True, max_length=max_length, padding="max_length",
+                        return_tensors="pt")
+    return ClientExamples(encoded["input_ids"], encoded["attention_mask"],
+                          torch.tensor([labels[i] for i in rows], dtype=label_dtype))

@@ -1,0 +1,225 @@
+"""Classification tasks, Dirichlet label-skew partitions and GLUE metrics."""
+
+import math
+from collections import Counter
+
+import datasets
+import numpy as np
+import pytest
+from scipy.stats import spearmanr
+from sklearn.metrics import accuracy_score, f1_score, matthews_corrcoef
+
+from ondevice_moe.data.partition import dirichlet_partition, dirichlet_proportions, label_bins, partition_by_proportions
+from ondevice_moe.data.tasks import TASKS, LabelledExamples, check_labels, get_task, load_task
+from ondevice_moe.errors import UserError
+from ondevice_moe.metrics import METRICS, accuracy, binary_f1, matthews_correlation, spearman, task_score
+
+# ---------------------------------------------------------------- tasks
+
+
+def test_registry_is_consistent():
+    assert set(TASKS) == {"sst2", "mrpc", "cola", "rte", "qnli", "stsb", "mnli", "qqp", "rotten-tomatoes", "bbc-news"}
+    for name, task in TASKS.items():
+        assert task.name == name
+        assert task.metric in METRICS
+        assert len(task.label_names) == task.num_labels
+    assert (TASKS["mrpc"].metric, TASKS["cola"].metric, TASKS["stsb"].metric) == ("f1", "mcc", "spearman")
+    assert TASKS["stsb"].is_regression and not TASKS["mnli"].is_regression
+
+
+@pytest.mark.parametrize(("name", "num_labels"), [("rotten-tomatoes", 2), ("bbc-news", 5)])
+def test_offline_tasks_load_disjoint_deterministic_splits(name, num_labels):
+    train, test = load_task(name, "train"), load_task(name, "test")
+    for split in (train, test):
+        assert len(split.texts) == len(split.labels)
+        assert set(split.labels) == set(map(float, range(num_labels)))
+        assert all(len(texts) == 1 and texts[0].strip() for texts in split.texts)
+    assert not set(train.texts) & set(test.texts)
+    assert len(set(train.texts)) == len(train.texts)
+    assert len(test.texts) == pytest.approx(0.25 * len(train.texts), rel=0.01)
+    assert load_task(name, "test").texts == test.texts
+
+
+def test_rotten_tomatoes_labels_and_no_plot_rows():
+    assert TASKS["rotten-tomatoes"].label_names == ("rotten", "fresh")
+    train = load_task("rotten-tomatoes", "train")
+    counts = Counter(train.labels)
+    assert counts[1.0] > counts[0.0] > 0  # the corpus has more fresh than rotten reviews
+    assert len(train.labels) + len(load_task("rotten-tomatoes", "test").labels) < 12808  # 12808 fresh + rotten rows
+
+
+def test_max_examples_takes_a_seeded_subset():
+    full = load_task("bbc-news", "train")
+    subset = load_task("bbc-news", "train", max_examples=50, seed=3)
+    assert len(subset.labels) == 50
+    assert set(subset.texts) <= set(full.texts)
+    assert subset == load_task("bbc-news", "train", max_examples=50, seed=3)
+    assert subset.texts != load_task("bbc-news", "train", max_examples=50, seed=4).texts
+    assert len(set(subset.labels)) == 5
+    assert load_task("bbc-news", "train", max_examples=10**6) == full
+
+
+def test_glue_task_offline_raises_user_error():
+    with pytest.raises(UserError, match="sst2") as error:
+        load_task("sst2", "test")
+    assert "rotten-tomatoes" in str(error.value)
+
+
+def test_glue_fields_and_validation_split(monkeypatch):
+    calls = []
+
+    def fake_load_dataset(path, config, split):
+        calls.append((path, config, split))
+        return datasets.Dataset.from_dict(
+            {"premise": ["a", "b"], "hypothesis": ["c", "d"], "label": [2, 0], "idx": [0, 1]}
+        )
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    examples = load_task("mnli", "test")
+    assert calls == [("nyu-mll/glue", "mnli", "validation_matched")]
+    assert examples == LabelledExamples([("a", "c"), ("b", "d")], [2.0, 0.0])
+
+
+def test_unknown_task_and_split_raise_user_error():
+    with pytest.raises(UserError, match="bbc-news"):
+        get_task("imdb")
+    with pytest.raises(UserError, match="valid"):
+        load_task("bbc-news", "valid")
+
+
+@pytest.mark.parametrize(
+    ("name", "labels", "bad"),
+    [
+        ("sst2", [0, 1, 2], "2"),
+        ("mnli", [0.0, 1.5], "1.5"),
+        ("cola", [0, -1], "-1"),
+        ("rte", [1, "yes"], "'yes'"),
+        ("stsb", [4.2, math.nan], "nan"),
+        ("stsb", [math.inf], "inf"),
+    ],
+)
+def test_check_labels_names_the_bad_value(name, labels, bad):
+    with pytest.raises(UserError, match=name) as error:
+        check_labels(TASKS[name], labels)
+    message = str(error.value)
+    assert f"label {bad} at index {len(labels) - 1}" in message
+
+
+def test_check_labels_accepts_valid_labels():
+    check_labels(TASKS["mnli"], [0, 1.0, 2, np.int64(1)])
+    check_labels(TASKS["stsb"], [0.0, 3.7, 5])
+
+
+# ---------------------------------------------------------------- partitions
+
+
+def test_dirichlet_rows_sum_to_one():
+    proportions = dirichlet_proportions(num_classes=4, num_clients=7, alpha=0.5, seed=0)
+    assert proportions.shape == (4, 7)
+    np.testing.assert_allclose(proportions.sum(axis=1), 1.0)
+    np.testing.assert_array_equal(proportions, dirichlet_proportions(4, 7, 0.5, seed=0))
+
+
+def _mean_max_label_share(labels, clients):
+    shares = [max(Counter(labels[i] for i in client).values()) / len(client) for client in clients]
+    return float(np.mean(shares))
+
+
+def test_smaller_alpha_gives_more_label_skew():
+    labels = [i % 5 for i in range(2000)]
+    skewed, _ = dirichlet_partition(labels, num_clients=10, alpha=0.1, seed=0)
+    near_iid, _ = dirichlet_partition(labels, num_clients=10, alpha=100.0, seed=0)
+    assert _mean_max_label_share(labels, skewed) > 0.6
+    assert _mean_max_label_share(labels, near_iid) < 0.35
+    assert _mean_max_label_share(labels, skewed) > _mean_max_label_share(labels, near_iid)
+
+
+def test_partition_covers_every_index_exactly_once():
+    labels = [i % 3 for i in range(301)]
+    proportions = dirichlet_proportions(3, 6, alpha=0.3, seed=1)
+    clients = partition_by_proportions(labels, proportions, seed=1)
+    assert len(clients) == 6
+    assert sorted(i for client in clients for i in client) == list(range(301))
+    assert clients == partition_by_proportions(labels, proportions, seed=1)
+
+
+def test_same_proportions_give_test_data_the_client_skew():
+    train_labels, test_labels = [i % 4 for i in range(4000)], [i % 4 for i in range(1000)]
+    train, proportions = dirichlet_partition(train_labels, num_clients=5, alpha=0.2, seed=2)
+    test = partition_by_proportions(test_labels, proportions, seed=2)
+    for train_client, test_client in zip(train, test, strict=True):
+        train_counts = np.bincount([train_labels[i] for i in train_client], minlength=4) / 1000
+        test_counts = np.bincount([test_labels[i] for i in test_client], minlength=4) / 250
+        np.testing.assert_allclose(train_counts, test_counts, atol=0.01)
+
+
+def test_min_examples_retry_and_impossible_case():
+    labels = [i % 2 for i in range(40)]
+    first_draws = [partition_by_proportions(labels, dirichlet_proportions(2, 5, 1.0, seed), seed) for seed in (0, 1)]
+    assert all(min(len(client) for client in draw) < 2 for draw in first_draws)  # so seeds 0 and 1 are redrawn
+    clients, proportions = dirichlet_partition(labels, num_clients=5, alpha=1.0, seed=0, min_examples=2)
+    assert min(len(client) for client in clients) >= 2
+    np.testing.assert_array_equal(proportions, dirichlet_proportions(2, 5, 1.0, seed=2))
+    with pytest.raises(UserError, match=r"num_clients=30.*40 examples.*alpha=0.1") as error:
+        dirichlet_partition(labels, num_clients=30, alpha=0.1, seed=0)
+    assert "fewer clients" in str(error.value)
+
+
+def test_bad_partition_inputs_raise_user_error():
+    with pytest.raises(UserError, match="alpha"):
+        dirichlet_proportions(2, 3, alpha=0.0, seed=0)
+    with pytest.raises(UserError, match="label 2 at index 1"):
+        partition_by_proportions([0, 2], dirichlet_proportions(2, 3, 1.0, seed=0), seed=0)
+
+
+def test_label_bins_are_equal_width():
+    assert label_bins([0.0, 0.9, 1.0, 2.5, 4.99, 5.0]) == [0, 0, 1, 2, 4, 4]
+    assert label_bins([1.0, 2.0, 3.0], num_bins=2) == [0, 1, 1]
+    assert label_bins([3.0, 3.0]) == [0, 0]
+    assert label_bins([]) == []
+
+
+# ---------------------------------------------------------------- metrics
+
+
+def test_metrics_known_values():
+    # Binary: tp=3, tn=4, fp=1, fn=2 → MCC = (3·4 − 1·2) / sqrt(4·5·5·6) = 10 / sqrt(600)
+    labels = [1, 1, 1, 1, 1, 0, 0, 0, 0, 0]
+    predictions = [1, 1, 1, 0, 0, 0, 0, 0, 0, 1]
+    assert matthews_correlation(predictions, labels) == pytest.approx(10 / math.sqrt(600))
+    assert binary_f1(predictions, labels) == pytest.approx(2 * 3 / (2 * 3 + 1 + 2))
+    assert accuracy(predictions, labels) == pytest.approx(0.7)
+    # 3 classes: confusion [[1,1,0],[0,2,0],[1,0,1]]; trace 4, n 6, true counts (2,2,2), predicted (2,3,1)
+    # R_K = (4·6 − (2·2 + 2·3 + 2·1)) / sqrt((36 − (4+9+1)) · (36 − (4+4+4))) = 12 / sqrt(22·24)
+    assert matthews_correlation([0, 1, 1, 1, 2, 0], [0, 0, 1, 1, 2, 2]) == pytest.approx(12 / math.sqrt(528))
+    # ranks of y = (1, 2, 3.5, 5, 3.5); centred dot 8, norms² 10 and 9.5
+    assert spearman([1, 2, 3, 4, 5], [5, 6, 7, 8, 7]) == pytest.approx(8 / math.sqrt(95))
+
+
+def test_metrics_are_zero_when_undefined():
+    assert matthews_correlation([1, 1, 1], [0, 1, 0]) == 0.0
+    assert spearman([2.0, 2.0, 2.0], [0.1, 0.5, 0.2]) == 0.0
+    assert binary_f1([0, 0], [0, 0]) == 0.0
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_metrics_match_sklearn_and_scipy(seed):
+    rng = np.random.default_rng(seed)
+    labels, predictions = rng.integers(0, 2, 200), rng.integers(0, 2, 200)
+    assert accuracy(predictions, labels) == pytest.approx(accuracy_score(labels, predictions))
+    assert binary_f1(predictions, labels) == pytest.approx(f1_score(labels, predictions))
+    assert binary_f1(predictions, labels, positive=0) == pytest.approx(f1_score(labels, predictions, pos_label=0))
+    assert matthews_correlation(predictions, labels) == pytest.approx(matthews_corrcoef(labels, predictions))
+    multi_labels, multi_predictions = rng.integers(0, 4, 300), rng.integers(0, 4, 300)
+    multi_predictions[:150] = multi_labels[:150]
+    expected_mcc = matthews_corrcoef(multi_labels, multi_predictions)
+    assert matthews_correlation(multi_predictions, multi_labels) == pytest.approx(expected_mcc)
+    scores = rng.uniform(0, 5, 100).round(1)  # rounding makes ties
+    noisy = scores + rng.normal(0, 1, 100).round(0)
+    assert spearman(noisy, scores) == pytest.approx(spearmanr(noisy, scores).statistic)
+
+
+def test_task_score_dispatches_and_rejects_unknown_metrics():
+    assert task_score("f1", [1, 0, 1], [1, 1, 1]) == pytest.approx(0.8)
+    with pytest.raises(UserError, match="bleu"):
+        task_score("bleu", [1], [1])
