@@ -208,13 +208,13 @@ def perplexity_of(nll: torch.Tensor, context_length: int) -> float:
 
 
 @torch.no_grad()
-def predict(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, batch_size: int,
-            regression: bool) -> torch.Tensor:
-    """Class indices (or regression scores) of a sequence-classification model."""
+def predict(model: nn.Module, examples, batch_size: int, regression: bool) -> torch.Tensor:
+    """Class indices (or regression scores) of a sequence classifier on ``examples``
+    (anything with ``len()`` and ``batch(rows)`` giving model inputs)."""
     model.eval()
     outputs = []
-    for start in range(0, input_ids.shape[0], batch_size):
-        logits = model(input_ids=input_ids[start : start + batch_size],
-                       attention_mask=attention_mask[start : start + batch_size]).logits.float()
+    for start in range(0, len(examples), batch_size):
+        batch = examples.batch(torch.arange(start, min(start + batch_size, len(examples))))
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
         outputs.append(logits.squeeze(-1) if regression else logits.argmax(dim=-1))
     return torch.cat(outputs) if outputs else torch.empty(0)

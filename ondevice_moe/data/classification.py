@@ -27,7 +27,10 @@ class ClientExamples:
         return int(self.labels.shape[0])
 
     def batch(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.input_ids[rows], "attention_mask": self.attention_mask[rows],
+        """The rows, cut to the longest of them (padding is on the right)."""
+        mask = self.attention_mask[rows]
+        length = max(int(mask.sum(dim=1).max()), 1) if len(rows) else 1
+        return {"input_ids": self.input_ids[rows, :length], "attention_mask": mask[:, :length],
                 "labels": self.labels[rows]}
 
 

@@ -110,7 +110,6 @@ def _evaluate_classifier(job: Job, device: int, model) -> dict[str, float]:
         raise UserError(f"client {device} has no test examples",
                         "raise task.max_test_examples, use fewer clients, or a larger dirichlet_alpha")
     task = federated.task
-    predictions = predict(model, examples.input_ids, examples.attention_mask, job.recipe.task.eval_batch_size,
-                          task.is_regression)
+    predictions = predict(model, examples, job.recipe.task.eval_batch_size, task.is_regression)
     score = 100.0 * task_score(task.metric, predictions.numpy(), examples.labels.numpy())
     return {"num-examples": len(examples), f"user_{device}/score": score}

@@ -1,0 +1,101 @@
+"""Hermes training and aggregation rules (Hermes §4.2–4.3)."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from ondevice_moe.block_experts import BlockLayout, attach_block_experts, block_routers
+from ondevice_moe.federation.aggregation import Update, average, example_weighting, inverse_frequency_weighting
+from ondevice_moe.federation.device import expert_usage, shared_state, start_round
+from ondevice_moe.methods import build_method
+from ondevice_moe.models.tiny import tiny_model
+from ondevice_moe.training import DeviceTrainer, TrainingConfig
+
+
+@pytest.fixture
+def hermes_trainer():
+    torch.manual_seed(0)
+    base = tiny_model("tiny-bert", 257, num_labels=2).eval().requires_grad_(False)
+    method = build_method("hermes", BlockLayout(top_k=1), num_users=2)
+    model = attach_block_experts(base, method.layouts[0], seed=0, own=("classifier", "bert.pooler"))
+    for path in ("classifier", "bert.pooler"):
+        model.get_submodule(path).requires_grad_(True)
+    return DeviceTrainer(model, method, TrainingConfig(lr=1e-2, lr_schedule="constant"))
+
+
+def _batch(seed: int = 0) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return {"input_ids": torch.randint(0, 256, (4, 12), generator=generator),
+            "attention_mask": torch.ones(4, 12, dtype=torch.long),
+            "labels": torch.randint(0, 2, (4,), generator=generator)}
+
+
+def _force_single_expert(trainer: DeviceTrainer, expert: str) -> None:
+    """Bias every router so that all tokens pick ``expert`` (top-1)."""
+    for router in block_routers(trainer.model):
+        router.bias.fill_(-10.0)
+        router.bias[router.experts.index(expert)] = 10.0
+        router.bias_rate = 0.0
+
+
+def test_unselected_experts_get_no_gradient_and_are_not_uploaded(hermes_trainer):
+    _force_single_expert(hermes_trainer, "adapter")
+    start_round(hermes_trainer.model)
+    before = {n: p.detach().clone() for n, p in hermes_trainer.model.named_parameters()}
+    hermes_trainer.expert_step(_batch())
+    after = dict(hermes_trainer.model.named_parameters())
+    moved = {n for n in before if not torch.equal(before[n], after[n])}
+    assert any(".adapters.shared." in n and "output.dense" in n for n in moved), "the selected adapter must train"
+    assert not any("lora_" in n or ".prefix." in n for n in moved), "unselected experts must not move"
+    uploaded = set(shared_state(hermes_trainer))
+    assert not any("lora_" in n or ".prefix." in n for n in uploaded)
+    assert any("output.dense.adapters" in n for n in uploaded)
+    assert any(n.startswith("classifier") for n in uploaded), "the task head is always uploaded"
+    usage = expert_usage(hermes_trainer.model)
+    assert all(usage[n] == 4 * 12 for n in uploaded if "adapters" in n)
+
+
+def test_router_state_stays_private(hermes_trainer):
+    hermes_trainer.expert_step(_batch())
+    assert not any("router" in n for n in shared_state(hermes_trainer))
+
+
+def test_inverse_frequency_weights_match_hand_computation():
+    # Two clients used expert "e" 3 and 15 times: ω = (h + 1)^(-1/2) = 1/2 and 1/4.
+    updates = [Update(0, {"e": torch.tensor([1.0]), "head": torch.tensor([1.0])}, 10, {"e": 3.0}),
+               Update(1, {"e": torch.tensor([4.0]), "head": torch.tensor([4.0])}, 30, {"e": 15.0})]
+    weighting = inverse_frequency_weighting(0.5, 1.0, example_weighting("num_examples"))
+    result = average(updates, weighting)
+    expected_expert = (0.5 * 1.0 + 0.25 * 4.0) / (0.5 + 0.25)
+    expected_head = (10 * 1.0 + 30 * 4.0) / 40  # heads follow FedAvg
+    torch.testing.assert_close(result["e"], torch.tensor([expected_expert]))
+    torch.testing.assert_close(result["head"], torch.tensor([expected_head]))
+
+
+def test_gradient_view_follows_training(hermes_trainer):
+    routers = block_routers(hermes_trainer.model)
+    initial = [r.gradient_score.clone() for r in routers]
+    hermes_trainer.expert_step(_batch())
+    assert any(not torch.equal(a, r.gradient_score) for a, r in zip(initial, routers, strict=True))
+    for router in routers:
+        torch.testing.assert_close(router.gradient_score.sum(), torch.tensor(1.0))
+
+
+def test_prefix_on_an_unsupported_model_is_refused():
+    from transformers import XLNetConfig, XLNetForSequenceClassification
+
+    from ondevice_moe.errors import UserError
+
+    model = XLNetForSequenceClassification(XLNetConfig(d_model=32, n_layer=1, n_head=2, d_inner=64, vocab_size=50))
+    with pytest.raises(UserError, match="expert sites|attention"):
+        attach_block_experts(model, BlockLayout(experts=("prefix",), router="none"), seed=0)
+
+
+def test_bundled_classification_recipes_hold_hermes_and_every_baseline():
+    from ondevice_moe.recipe import load_recipe
+
+    recipe = load_recipe(Path(__file__).parent.parent / "recipes" / "hermes-minilm-rotten-tomatoes.yaml")
+    names = {m.name + (m.ablation or "") for m in recipe.methods}
+    assert {"hermes", "fed-ft", "fed-lora", "fed-adapter", "fed-prefix", "fed-unipelt"} <= names
+    assert {"hermesw/o-A", "hermesw/o-K", "hermesw/o-G", "hermesw/o-F"} <= names
