@@ -58,6 +58,21 @@ def finetune(
     console.print(f"report: {result.report}\nsummary: {result.run_dir / 'summary.json'}")
 
 
+@app.command("eval")
+def evaluate(
+    run: Annotated[Path, typer.Argument(help="A run folder written by `ondevice-moe finetune`.")],
+    suite: Annotated[str, typer.Option(help="lm (perplexity in/out of distribution) or glue (task metrics).")] = "lm",
+) -> None:
+    """Re-evaluate a finished run from its checkpoints."""
+    from ondevice_moe.runner import evaluate_run
+
+    try:
+        summary = evaluate_run(run, suite)
+    except UserError as error:
+        _fail(error)
+    _print_summary(summary)
+
+
 def _method_label(entry) -> str:
     extras = [entry.variant, entry.ablation, f"k{entry.top_k}" if entry.top_k else None]
     return "-".join([entry.name, *(e for e in extras if e)])

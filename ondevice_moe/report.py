@@ -192,3 +192,25 @@ def plot_rounds(records: list[dict[str, Any]], methods: list[str], path: Path) -
     figure.savefig(path, dpi=110)
     plt.close(figure)
     return path
+
+
+def plot_communication(records: list[dict[str, Any]], methods: list[str], path: Path) -> Path | None:
+    """Bytes uploaded per round by all devices, one bar per method (Hermes Fig. 3b)."""
+    uploads = {}
+    for method in methods:
+        comm = [r["bytes_up"] for r in records if r["method"] == method and r["kind"] == "comm"]
+        if comm:
+            uploads[method] = statistics.fmean(comm) / 2**20
+    if not uploads:
+        return None
+    figure, axis = plt.subplots(figsize=(max(4.0, 0.8 * len(uploads) + 2), 3.6))
+    axis.bar(list(uploads), list(uploads.values()), color="tab:blue")
+    axis.set_ylabel("upload per round, all devices (MiB)")
+    axis.tick_params(axis="x", labelrotation=45)
+    for label in axis.get_xticklabels():
+        label.set_horizontalalignment("right")
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path

@@ -22,7 +22,14 @@ from ondevice_moe.errors import UserError
 from ondevice_moe.federation.job import JOB_ENV, Job
 from ondevice_moe.methods import Method
 from ondevice_moe.recipe import Recipe
-from ondevice_moe.report import MetricsLog, plot_expert_scores, plot_rounds, summarize, write_report
+from ondevice_moe.report import (
+    MetricsLog,
+    plot_communication,
+    plot_expert_scores,
+    plot_rounds,
+    summarize,
+    write_report,
+)
 
 
 @dataclass
@@ -92,7 +99,8 @@ def finish_report(recipe: Recipe, run_dir: Path, methods: list[Method]) -> RunRe
     records = MetricsLog(run_dir / "metrics.jsonl").read()
     names = [m.name for m in methods]
     summary = summarize(records, names, recipe.user_names)
-    plots = [p for p in [plot_rounds(records, names, run_dir / "plots" / "rounds.png")] if p]
+    plots = [p for p in (plot_rounds(records, names, run_dir / "plots" / "rounds.png"),
+                         plot_communication(records, names, run_dir / "plots" / "communication.png")) if p]
     for method in methods:
         if method.router_update != "none":  # only learned routers have scores worth a plot
             plot = plot_expert_scores(records, method.name, run_dir / "plots" / f"expert_scores_{method.name}.png")
@@ -100,6 +108,45 @@ def finish_report(recipe: Recipe, run_dir: Path, methods: list[Method]) -> RunRe
                 plots.append(plot)
     report = write_report(run_dir, recipe.name, summary, plots)
     return RunResult(run_dir, summary, report)
+
+
+SUITES = {"lm": True, "glue": False}  # suite → is it for language-modelling runs
+
+
+def evaluate_run(run_dir: Path, suite: str) -> dict[str, Any]:
+    """Re-evaluate every device of a finished run from its checkpoints.
+
+    ``lm``: per-user test perplexity in and out of distribution; ``glue``: the
+    task metric per client. Returns a summary shaped like ``summary.json``.
+    """
+    from ondevice_moe.federation import device
+    from ondevice_moe.federation.evaluation import evaluate_device
+    from ondevice_moe.recipe import validate_recipe
+
+    recipe_file = Path(run_dir) / "recipe.yaml"
+    if not recipe_file.is_file():
+        raise UserError(f"{run_dir} is not a run folder (no recipe.yaml)", "pass the --output folder of a finetune run")
+    recipe = validate_recipe(yaml.safe_load(recipe_file.read_text(encoding="utf-8")), source=str(recipe_file))
+    if suite not in SUITES:
+        raise UserError(f"unknown suite '{suite}'", f"use one of {list(SUITES)}")
+    if SUITES[suite] != recipe.is_language_modelling:
+        kind = "language-modelling" if recipe.is_language_modelling else "classification"
+        right = "lm" if recipe.is_language_modelling else "glue"
+        raise UserError(f"suite '{suite}' does not fit this {kind} run", f"use --suite {right}")
+    records = []
+    for index in range(len(recipe.methods)):
+        job = Job(recipe, index, Path(run_dir))
+        for device_index in range(len(job.method.layouts)):
+            model = device.build_model(job, device_index)
+            if job.method.trains:
+                device.load_checkpoint(job, device_index, model)
+            metrics = evaluate_device(job, device_index, model)
+            for user_index, user in enumerate(recipe.user_names):
+                values = {k.split("/", 1)[1]: v for k, v in metrics.items() if k.startswith(f"user_{user_index}/")}
+                if values:
+                    records.append({"method": job.method.name, "round": 0, "kind": "eval", "user": user, **values})
+    return summarize(records, [Job(recipe, i, Path(run_dir)).method.name for i in range(len(recipe.methods))],
+                     recipe.user_names)
 
 
 def _discard_partial(log: MetricsLog, method: str) -> None:

@@ -98,14 +98,15 @@ def test_same_seed_gives_the_same_numbers(tiny_run, tmp_path):
     assert again.summary["methods"]["fedavg"] == result.summary["methods"]["fedavg"]
 
 
-def test_lm_table_over_runs(tiny_run, capsys):
+def test_seed_table_over_runs(tiny_run, capsys):
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("lm_table", Path(__file__).parent.parent / "eval" / "lm_table.py")
-    lm_table = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(lm_table)
+    path = Path(__file__).parent.parent / "eval" / "seed_table.py"
+    spec = importlib.util.spec_from_file_location("seed_table", path)
+    seed_table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(seed_table)
     _, result, _ = tiny_run
-    lm_table.main([str(result.run_dir), str(result.run_dir)])
+    seed_table.main([str(result.run_dir), str(result.run_dir)])
     table = capsys.readouterr().out
     mean = result.summary["methods"]["comigs-1G1S"]["mean_in"]
     assert f"| comigs-1G1S | {mean:.2f} (0.00) |" in table

@@ -88,7 +88,7 @@ def test_prefix_on_an_unsupported_model_is_refused():
     from ondevice_moe.errors import UserError
 
     model = XLNetForSequenceClassification(XLNetConfig(d_model=32, n_layer=1, n_head=2, d_inner=64, vocab_size=50))
-    with pytest.raises(UserError, match="expert sites|attention"):
+    with pytest.raises(UserError, match=r"expert sites|attention"):
         attach_block_experts(model, BlockLayout(experts=("prefix",), router="none"), seed=0)
 
 

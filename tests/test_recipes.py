@@ -14,7 +14,7 @@ def test_bundled_recipes_validate_and_resolve(path):
     recipe = load_recipe(path)
     for index in range(len(recipe.methods)):
         method = Job(recipe, index, Path("runs")).method
-        assert len(method.layouts) in (1, len(recipe.data.users))
+        assert len(method.layouts) in (1, len(recipe.user_names))
 
 
 def test_paper_recipes_use_appendix_b12_hyper_parameters():

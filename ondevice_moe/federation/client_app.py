@@ -17,11 +17,10 @@ import torch
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from ondevice_moe.errors import UserError
 from ondevice_moe.federation import device as dev
+from ondevice_moe.federation.evaluation import evaluate_device
 from ondevice_moe.federation.job import Job, job_from_context
-from ondevice_moe.metrics import task_score
-from ondevice_moe.training import DeviceTrainer, block_nll, perplexity_of, predict
+from ondevice_moe.training import DeviceTrainer
 
 app = ClientApp()
 
@@ -81,35 +80,8 @@ def evaluate(msg: Message, context: Context) -> Message:
     job = job_from_context(context)
     device = _device_index(context)
     model = dev.restore_trainer(job, device, msg.content.array_records.get("arrays"), context.state).model
-    if job.recipe.is_language_modelling:
-        metrics = _evaluate_language_model(job, device, model)
-    else:
-        metrics = _evaluate_classifier(job, device, model)
+    metrics = evaluate_device(job, device, model)
     metrics["device"] = device
+    if msg.content["config"].get("final", False) and job.method.trains:
+        dev.save_checkpoint(job, device, model)
     return Message(RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)
-
-
-def _evaluate_language_model(job: Job, device: int, model) -> dict[str, float]:
-    batch = job.recipe.data.eval_batch_size
-    per_user = [dev.eval_blocks(job, u) for u in range(len(job.recipe.data.users))]
-    union_nll = block_nll(model, torch.cat(per_user), batch)
-    context_length = per_user[0].shape[1]
-    offsets = torch.tensor([0, *(b.shape[0] for b in per_user)]).cumsum(0).tolist()
-    metrics: dict[str, float] = {"num-examples": int(union_nll.numel())}
-    for user in dev.users_of_device(job, device):
-        own = union_nll[offsets[user] : offsets[user + 1]]
-        metrics[f"user_{user}/test_ppl_in"] = perplexity_of(own, context_length)
-        metrics[f"user_{user}/test_ppl_out"] = perplexity_of(union_nll, context_length)
-    return metrics
-
-
-def _evaluate_classifier(job: Job, device: int, model) -> dict[str, float]:
-    federated = dev.federated_task(job)
-    examples = federated.test[device]
-    if len(examples) == 0:
-        raise UserError(f"client {device} has no test examples",
-                        "raise task.max_test_examples, use fewer clients, or a larger dirichlet_alpha")
-    task = federated.task
-    predictions = predict(model, examples, job.recipe.task.eval_batch_size, task.is_regression)
-    score = 100.0 * task_score(task.metric, predictions.numpy(), examples.labels.numpy())
-    return {"num-examples": len(examples), f"user_{device}/score": score}

@@ -18,6 +18,7 @@ from ondevice_moe.block_experts import BlockLayout, attach_block_experts, block_
 from ondevice_moe.data.classification import FederatedTask, build_federated_task
 from ondevice_moe.data.splits import SourceSpec, UserData, build_user_data
 from ondevice_moe.data.tasks import get_task
+from ondevice_moe.errors import UserError
 from ondevice_moe.federation.job import Job
 from ondevice_moe.inject import attach_experts
 from ondevice_moe.methods import Role
@@ -188,3 +189,37 @@ def batch_sampler(blocks: torch.Tensor, batch_size: int, seed: int, stream: str)
         return {"input_ids": blocks[rows], "labels": blocks[rows]}
 
     return sample
+
+
+def checkpoint_path(job: Job, device: int):
+    return job.run_dir / "checkpoints" / job.method.name / f"device_{device}.safetensors"
+
+
+def save_checkpoint(job: Job, device: int, model: nn.Module) -> None:
+    """Write everything the device learned (shared and private) after the last round."""
+    from safetensors.torch import save_file
+
+    path = checkpoint_path(job, device)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({name: tensor.contiguous() for name, tensor in trainable_state(model).items()}, str(path))
+
+
+def load_checkpoint(job: Job, device: int, model: nn.Module) -> None:
+    """Load a device's checkpoint; a missing or corrupt file ends with a clear message."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = checkpoint_path(job, device)
+    if not path.is_file():
+        raise UserError(f"no checkpoint for method '{job.method.name}', device {device}: {path} is missing",
+                        "finish the run first (run the same `ondevice-moe finetune` command again to resume)")
+    try:
+        state = load_file(str(path))
+    except (SafetensorError, OSError) as error:
+        raise UserError(f"checkpoint {path} is unreadable ({error})",
+                        "delete it and the method's lines in metrics.jsonl, then rerun to retrain") from None
+    unexpected = set(state) - set(model.state_dict())
+    if unexpected:
+        raise UserError(f"checkpoint {path} does not fit the recipe's model (e.g. {sorted(unexpected)[:2]})",
+                        "evaluate it with the recipe.yaml it was trained with")
+    model.load_state_dict(state, strict=False)

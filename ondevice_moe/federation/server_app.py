@@ -78,7 +78,7 @@ def run_federation(grid: Grid, job: Job) -> None:
         down_bytes = _bytes(shared) * len(nodes)
         log.write({"method": method.name, "round": server_round, "kind": "comm", "bytes_up": bytes_up,
                    "bytes_down": down_bytes, "devices": len(sound)})
-        mean_in = _evaluate(grid, nodes, shared, job, users, server_round, log)
+        mean_in = _evaluate(grid, nodes, shared, job, users, server_round, log, final=server_round == total_rounds)
         if progress_hook is not None:
             label = "mean test ppl" if job.recipe.is_language_modelling else "mean score"
             progress_hook(server_round, total_rounds,
@@ -105,8 +105,9 @@ def _train_round(grid: Grid, nodes: list[int], shared: dict[str, torch.Tensor], 
 
 
 def _evaluate(grid: Grid, nodes: list[int], shared: dict[str, torch.Tensor], job: Job, users: list[str],
-              server_round: int, log: MetricsLog) -> float:
-    replies = _send(grid, nodes, shared, MessageType.EVALUATE, server_round)
+              server_round: int, log: MetricsLog, final: bool = True) -> float:
+    """Ask every device for its test figures; after the last round they also save checkpoints."""
+    replies = _send(grid, nodes, shared, MessageType.EVALUATE, server_round, final)
     headline = []
     for reply in replies:
         metrics = reply.content["metrics"]
@@ -127,8 +128,10 @@ def _weighting(job: Job) -> Weighting:
     return per_device
 
 
-def _send(grid: Grid, nodes: list[int], shared: dict[str, torch.Tensor], kind: str, server_round: int) -> list[Message]:
-    content = RecordDict({"arrays": ArrayRecord(shared), "config": ConfigRecord({"server-round": server_round})})
+def _send(grid: Grid, nodes: list[int], shared: dict[str, torch.Tensor], kind: str, server_round: int,
+          final: bool = False) -> list[Message]:
+    config = ConfigRecord({"server-round": server_round, "final": final})
+    content = RecordDict({"arrays": ArrayRecord(shared), "config": config})
     messages = [Message(content, dst_node_id=node, message_type=kind, group_id=str(server_round)) for node in nodes]
     replies = list(grid.send_and_receive(messages))
     failures = [reply.error.reason for reply in replies if reply.has_error()]

@@ -1,0 +1,48 @@
+"""How a device scores its model: test perplexity for language modelling
+(in distribution on its own test split, out of distribution on the union of all
+users' test splits — CoMiGS Table 2), the task metric for classification
+(Hermes Table 1). Used by the ClientApp every round and by ``ondevice-moe eval``."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ondevice_moe.errors import UserError
+from ondevice_moe.federation import device as dev
+from ondevice_moe.federation.job import Job
+from ondevice_moe.metrics import task_score
+from ondevice_moe.training import block_nll, perplexity_of, predict
+
+
+def evaluate_device(job: Job, device: int, model: nn.Module) -> dict[str, float]:
+    """``user_<i>/<value>`` entries for the users this device holds, plus ``num-examples``."""
+    if job.recipe.is_language_modelling:
+        return _language_model(job, device, model)
+    return _classifier(job, device, model)
+
+
+def _language_model(job: Job, device: int, model: nn.Module) -> dict[str, float]:
+    batch = job.recipe.data.eval_batch_size
+    per_user = [dev.eval_blocks(job, u) for u in range(len(job.recipe.data.users))]
+    union_nll = block_nll(model, torch.cat(per_user), batch)
+    context_length = per_user[0].shape[1]
+    offsets = torch.tensor([0, *(b.shape[0] for b in per_user)]).cumsum(0).tolist()
+    metrics: dict[str, float] = {"num-examples": int(union_nll.numel())}
+    for user in dev.users_of_device(job, device):
+        own = union_nll[offsets[user] : offsets[user + 1]]
+        metrics[f"user_{user}/test_ppl_in"] = perplexity_of(own, context_length)
+        metrics[f"user_{user}/test_ppl_out"] = perplexity_of(union_nll, context_length)
+    return metrics
+
+
+def _classifier(job: Job, device: int, model: nn.Module) -> dict[str, float]:
+    federated = dev.federated_task(job)
+    examples = federated.test[device]
+    if len(examples) == 0:
+        raise UserError(f"client {device} has no test examples",
+                        "raise task.max_test_examples, use fewer clients, or a larger dirichlet_alpha")
+    task = federated.task
+    predictions = predict(model, examples, job.recipe.task.eval_batch_size, task.is_regression)
+    score = 100.0 * task_score(task.metric, predictions.numpy(), examples.labels.numpy())
+    return {"num-examples": len(examples), f"user_{device}/score": score}
