@@ -110,3 +110,33 @@ def test_seed_table_over_runs(tiny_run, capsys):
     table = capsys.readouterr().out
     mean = result.summary["methods"]["comigs-1G1S"]["mean_in"]
     assert f"| comigs-1G1S | {mean:.2f} (0.00) |" in table
+
+
+def test_eval_command_recomputes_final_perplexities(tiny_run):
+    from typer.testing import CliRunner
+
+    from ondevice_moe.cli import app
+
+    _, result, _ = tiny_run
+    outcome = CliRunner().invoke(app, ["eval", str(result.run_dir), "--suite", "lm"])
+    assert outcome.exit_code == 0, outcome.output
+    for name in ("fedavg", "comigs-1G1S"):
+        assert f"{result.summary['methods'][name]['mean_in']:.2f}" in outcome.output
+    wrong = CliRunner().invoke(app, ["eval", str(result.run_dir), "--suite", "glue"])
+    assert wrong.exit_code == 2 and "use --suite lm" in wrong.output
+
+
+def test_corrupt_checkpoint_is_named(tiny_run, tmp_path):
+    import shutil
+
+    from typer.testing import CliRunner
+
+    from ondevice_moe.cli import app
+
+    _, result, _ = tiny_run
+    copy = tmp_path / "copy"
+    shutil.copytree(result.run_dir, copy)
+    (copy / "checkpoints" / "fedavg" / "device_1.safetensors").write_bytes(b"not a checkpoint")
+    outcome = CliRunner().invoke(app, ["eval", str(copy), "--suite", "lm"])
+    assert outcome.exit_code == 2
+    assert "device_1.safetensors is unreadable" in " ".join(outcome.output.split())
