@@ -156,11 +156,7 @@ def plot_expert_scores(records: list[dict[str, Any]], method: str, path: Path) -
         axis.set_xlabel("iteration")
     axes[0][0].set_ylabel(f"score of {expert}")
     figure.suptitle(f"{method}: expert scores per layer (darker = deeper)")
-    figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return path
+    return _save(figure, path)
 
 
 def plot_rounds(records: list[dict[str, Any]], methods: list[str], path: Path) -> Path | None:
@@ -187,11 +183,7 @@ def plot_rounds(records: list[dict[str, Any]], methods: list[str], path: Path) -
     language = any("test_ppl_in" in r for r in records if r["kind"] == "eval")
     axis.set_ylabel("mean test perplexity (in-dist)" if language else "mean test score")
     axis.legend()
-    figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return path
+    return _save(figure, path)
 
 
 def plot_communication(records: list[dict[str, Any]], methods: list[str], path: Path) -> Path | None:
@@ -209,6 +201,10 @@ def plot_communication(records: list[dict[str, Any]], methods: list[str], path: 
     axis.tick_params(axis="x", labelrotation=45)
     for label in axis.get_xticklabels():
         label.set_horizontalalignment("right")
+    return _save(figure, path)
+
+
+def _save(figure, path: Path) -> Path:
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=110)

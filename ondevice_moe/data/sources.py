@@ -114,20 +114,26 @@ def hugging_face(
     """
     if not dataset:
         raise UserError("an `hf` source needs `dataset`", "set e.g. `dataset: fancyzhx/ag_news`")
-    import datasets
-
-    try:
-        stream = datasets.load_dataset(dataset, config, split=split, streaming=True)
-    except Exception as error:  # the hub raises many types; all mean "cannot load"
-        raise UserError(
-            f"could not load Hugging Face dataset '{dataset}' ({type(error).__name__}: {error})",
-            "check the name and your network; offline machines can use the pip-only sources "
-            f"({', '.join(OFFLINE_SOURCES)}) or `text-folder`/`jsonl`",
-        ) from None
+    stream = load_hub_dataset(
+        f"Hugging Face dataset '{dataset}'",
+        "check the name and your network; offline machines can use the pip-only sources "
+        f"({', '.join(OFFLINE_SOURCES)}) or `text-folder`/`jsonl`",
+        dataset, config, split=split, streaming=True,
+    )
     for record in stream:
         if filter and any(_dotted(record, key) != value for key, value in filter.items()):
             continue
         yield str(record[text_field])
+
+
+def load_hub_dataset(what: str, fix: str, *args: object, **kwargs: object):
+    """``datasets.load_dataset(*args, **kwargs)``; any failure becomes one UserError about ``what``."""
+    import datasets
+
+    try:
+        return datasets.load_dataset(*args, **kwargs)
+    except Exception as error:  # the hub raises many types; all mean "cannot load"
+        raise UserError(f"could not load {what} ({type(error).__name__}: {error})", fix) from None
 
 
 def _dotted(record: dict, key: str) -> object:

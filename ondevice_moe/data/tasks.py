@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
-from ondevice_moe.data.sources import package_folder
+from ondevice_moe.data.sources import load_hub_dataset, package_folder
 from ondevice_moe.errors import UserError
 
 SPLITS = ("train", "test")
@@ -145,17 +145,12 @@ def _subset(examples: LabelledExamples, max_examples: int | None, seed: int) -> 
 
 
 def _glue_split(name: str, split: str) -> LabelledExamples:
-    import datasets
-
     glue_split = "train" if split == "train" else "validation_matched" if name == "mnli" else "validation"
-    try:
-        rows = datasets.load_dataset("nyu-mll/glue", name, split=glue_split)
-    except Exception as error:  # the hub raises many types; all mean "cannot load"
-        raise UserError(
-            f"could not load GLUE task '{name}' ({type(error).__name__}: {error})",
-            "check your network or Hugging Face cache; offline machines can use the tasks "
-            f"{', '.join(OFFLINE_TASKS)}",
-        ) from None
+    rows = load_hub_dataset(
+        f"GLUE task '{name}'",
+        f"check your network or Hugging Face cache; offline machines can use the tasks {', '.join(OFFLINE_TASKS)}",
+        "nyu-mll/glue", name, split=glue_split,
+    )
     texts = [tuple(pair) for pair in zip(*(rows[field] for field in _GLUE_FIELDS[name]), strict=True)]
     return LabelledExamples(texts, [float(label) for label in rows["label"]])
 
