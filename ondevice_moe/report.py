@@ -197,6 +197,7 @@ def plot_communication(records: list[dict[str, Any]], methods: list[str], path: 
         return None
     figure, axis = plt.subplots(figsize=(max(4.0, 0.8 * len(uploads) + 2), 3.6))
     axis.bar(list(uploads), list(uploads.values()), color="tab:blue")
+    axis.set_yscale("log")  # full fine-tuning dwarfs the PEFT methods
     axis.set_ylabel("upload per round, all devices (MiB)")
     axis.tick_params(axis="x", labelrotation=45)
     for label in axis.get_xticklabels():
