@@ -23,6 +23,7 @@ app.add_typer(recipes_app, name="recipes")
 console = Console()
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
+MAX_USER_COLUMNS = 5
 
 
 @app.command()
@@ -82,6 +83,10 @@ def _print_summary(summary: dict) -> None:
     from ondevice_moe.report import table_rows
 
     header, rows = table_rows(summary)
+    users = len(summary["users"])
+    if users > MAX_USER_COLUMNS:  # keep the console table readable; report.md has every client
+        header = [header[0], *header[1 + users :]]
+        rows = [[row[0], *row[1 + users :]] for row in rows]
     language = any("mean_in" in m for m in summary["methods"].values())
     title = "Test perplexity after the last round (lower is better)" if language else \
         "Test score ×100 after the last round (higher is better)"
