@@ -84,13 +84,13 @@ def table_rows(summary: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     users = summary["users"]
     methods = summary["methods"]
     language = any("mean_in" in m for m in methods.values())
-    means = ["mean_in", "mean_out"] if language else ["mean_score"]
+    shorts = ["in", "out"] if language else ["score"]
     labels = ["mean (std) in-dist", "mean (std) out-of-dist"] if language else ["mean (std)"]
-    per_user = "in" if language else "score"
+    per_user = shorts[0]
     header = ["method", *users, *labels, "upload / round (all devices)"]
     rows = []
     for name, m in methods.items():
-        cells = [f"{m[f'mean_{key[5:]}']:.2f} ({m[f'std_{key[5:]}']:.2f})" for key in means]
+        cells = [f"{m[f'mean_{short}']:.2f} ({m[f'std_{short}']:.2f})" for short in shorts]
         rows.append([name, *(f"{m['per_user'][u][per_user]:.2f}" for u in users), *cells,
                      _bytes(m["upload_bytes_per_round"])])
     return header, rows

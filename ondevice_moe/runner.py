@@ -120,7 +120,7 @@ def evaluate_run(run_dir: Path, suite: str) -> dict[str, Any]:
     task metric per client. Returns a summary shaped like ``summary.json``.
     """
     from ondevice_moe.federation import device
-    from ondevice_moe.federation.evaluation import evaluate_device
+    from ondevice_moe.federation.evaluation import evaluate_device, user_values
     from ondevice_moe.recipe import validate_recipe
 
     recipe_file = Path(run_dir) / "recipe.yaml"
@@ -134,19 +134,18 @@ def evaluate_run(run_dir: Path, suite: str) -> dict[str, Any]:
         right = "lm" if recipe.is_language_modelling else "glue"
         raise UserError(f"suite '{suite}' does not fit this {kind} run", f"use --suite {right}")
     records = []
-    for index in range(len(recipe.methods)):
-        job = Job(recipe, index, Path(run_dir))
+    jobs = [Job(recipe, index, Path(run_dir)) for index in range(len(recipe.methods))]
+    for job in jobs:
         for device_index in range(len(job.method.layouts)):
             model = device.build_model(job, device_index)
             if job.method.trains:
                 device.load_checkpoint(job, device_index, model)
             metrics = evaluate_device(job, device_index, model)
             for user_index, user in enumerate(recipe.user_names):
-                values = {k.split("/", 1)[1]: v for k, v in metrics.items() if k.startswith(f"user_{user_index}/")}
+                values = user_values(metrics, user_index)
                 if values:
                     records.append({"method": job.method.name, "round": 0, "kind": "eval", "user": user, **values})
-    return summarize(records, [Job(recipe, i, Path(run_dir)).method.name for i in range(len(recipe.methods))],
-                     recipe.user_names)
+    return summarize(records, [job.method.name for job in jobs], recipe.user_names)
 
 
 def _discard_partial(log: MetricsLog, method: str) -> None:

@@ -22,6 +22,12 @@ def evaluate_device(job: Job, device: int, model: nn.Module) -> dict[str, float]
     return _classifier(job, device, model)
 
 
+def user_values(metrics: dict[str, float], user: int) -> dict[str, float]:
+    """The ``user_<user>/<value>`` entries of a device's metrics, keyed by ``<value>``."""
+    prefix = f"user_{user}/"
+    return {key.removeprefix(prefix): value for key, value in metrics.items() if key.startswith(prefix)}
+
+
 def _language_model(job: Job, device: int, model: nn.Module) -> dict[str, float]:
     batch = job.recipe.data.eval_batch_size
     per_user = [dev.eval_blocks(job, u) for u in range(len(job.recipe.data.users))]

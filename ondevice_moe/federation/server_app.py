@@ -23,6 +23,7 @@ from ondevice_moe.federation.aggregation import (
     example_weighting,
     inverse_frequency_weighting,
 )
+from ondevice_moe.federation.evaluation import user_values
 from ondevice_moe.federation.job import Job, job_from_context
 from ondevice_moe.report import MetricsLog
 
@@ -112,8 +113,7 @@ def _evaluate(grid: Grid, nodes: list[int], shared: dict[str, torch.Tensor], job
     for reply in replies:
         metrics = reply.content["metrics"]
         for index, name in enumerate(users):
-            values = {key.split("/", 1)[1]: value for key, value in metrics.items()
-                      if key.startswith(f"user_{index}/")}
+            values = user_values(dict(metrics), index)
             if values:
                 headline.append(values.get("test_ppl_in", values.get("score")))
                 log.write({"method": job.method.name, "round": server_round, "kind": "eval", "user": name,

@@ -52,12 +52,12 @@ def _bert_config(vocab_size: int) -> BertConfig:
 
 def tiny_gpt2(vocab_size: int) -> GPT2LMHeadModel:
     torch.manual_seed(0)
-    return GPT2LMHeadModel(_gpt2_config(vocab_size))
+    return tiny_model("tiny-gpt2", vocab_size)
 
 
 def tiny_llama(vocab_size: int) -> LlamaForCausalLM:
     torch.manual_seed(0)
-    return LlamaForCausalLM(_llama_config(vocab_size))
+    return tiny_model("tiny-llama", vocab_size)
 
 
 def tiny_model(name: str, vocab_size: int, num_labels: int | None = None) -> nn.Module:
