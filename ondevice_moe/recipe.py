@@ -20,6 +20,7 @@ from ondevice_moe.errors import UserError
 from ondevice_moe.methods.hermes import HERMES_ABLATIONS
 from ondevice_moe.methods.registry import COMIGS_VARIANTS, LM_METHODS, METHODS
 from ondevice_moe.models.registry import MODEL_ALIASES
+from ondevice_moe.overrides import apply_override
 
 
 class _Section(BaseModel):
@@ -27,9 +28,12 @@ class _Section(BaseModel):
 
 
 class ModelSection(_Section):
+    """The frozen base model. ``device``: ``auto`` picks CUDA when present, else CPU."""
+
     name: str = "smollm2-135m"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     quantization: Literal["none", "nf4", "int8"] = "none"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
 
     @field_validator("name")
     @classmethod
@@ -157,12 +161,55 @@ class HermesSection(_Section):
     aggregation_epsilon: float = Field(1.0, gt=0)
 
 
+FaultKind = Literal["crash", "nan", "wrong-shape", "slow"]
+
+
+class FaultSection(_Section):
+    """A simulated unreliable device, for robustness studies.
+
+    ``crash``: the device raises; ``nan``: it uploads non-finite values;
+    ``wrong-shape``: it uploads a tensor of the wrong shape; ``slow``: it
+    sleeps ``delay_s`` seconds before replying (past ``reply_timeout_s`` it is
+    dropped). ``rounds``: ``all`` or a list of rounds (1-based).
+    """
+
+    device: int = Field(ge=0)
+    kind: FaultKind
+    rounds: Literal["all"] | list[int] = "all"
+    delay_s: float = Field(30.0, gt=0)
+
+    def active(self, server_round: int) -> bool:
+        return self.rounds == "all" or server_round in self.rounds
+
+
 class FederationSection(_Section):
+    """Rounds, local work and the server's sampling and failure policy.
+
+    ``fraction_train`` / ``clients_per_round``: how many devices train each
+    round (default: all); ``min_clients``: a round with fewer good replies
+    fails the method (default: 1); ``reply_timeout_s``: how long the server
+    waits for replies; ``eval_every``: evaluate every n rounds (and always
+    after the last).
+    """
+
     rounds: int = Field(20, ge=1)
     local_iterations: int = Field(10, ge=1)
     local_epochs: int | None = Field(None, ge=1)
     weighting: Literal["uniform", "num_examples"] = "uniform"
     cpus_per_client: float = Field(2.0, gt=0)
+    gpus_per_client: float = Field(0.0, ge=0)
+    fraction_train: float | None = Field(None, gt=0, le=1)
+    clients_per_round: int | None = Field(None, ge=1)
+    min_clients: int = Field(1, ge=1)
+    reply_timeout_s: float = Field(3600.0, gt=0)
+    eval_every: int = Field(1, ge=1)
+    faults: list[FaultSection] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _one_sampling_rule(self) -> FederationSection:
+        if self.fraction_train is not None and self.clients_per_round is not None:
+            raise ValueError("give `fraction_train` or `clients_per_round`, not both")
+        return self
 
 
 class TrainingSection(_Section):
@@ -276,38 +323,6 @@ def validate_recipe(raw: dict[str, Any], source: str = "recipe") -> Recipe:
         return Recipe.model_validate(raw)
     except ValidationError as error:
         raise UserError(_describe(error, source), "fix these keys in the recipe (or the --set overrides)") from None
-
-
-def apply_override(raw: dict[str, Any], override: str) -> None:
-    """Apply ``a.b.c=value`` (value parsed as YAML) to the raw recipe mapping."""
-    key, sep, text = override.partition("=")
-    if not sep or not key:
-        raise UserError(f"override '{override}' is not of the form key=value", "write e.g. --set federation.rounds=5")
-    parts = key.split(".")
-    node: Any = raw
-    for depth, part in enumerate(parts[:-1]):
-        if isinstance(node, list):
-            node = _list_item(node, part, ".".join(parts[: depth + 1]))
-        else:
-            node = node.setdefault(part, {})
-    last = parts[-1]
-    value = yaml.safe_load(text) if text else None
-    if isinstance(node, list):
-        node[_index(node, last, key)] = value
-    elif isinstance(node, dict):
-        node[last] = value
-    else:
-        raise UserError(f"override '{key}': '{'.'.join(parts[:-1])}' is not a section", "check the key path")
-
-
-def _index(node: list, part: str, key: str) -> int:
-    if not part.isdigit() or int(part) >= len(node):
-        raise UserError(f"override '{key}': '{part}' is not an index of a list of {len(node)}", "use 0-based indices")
-    return int(part)
-
-
-def _list_item(node: list, part: str, key: str) -> Any:
-    return node[_index(node, part, key)]
 
 
 def _describe(error: ValidationError, source: str) -> str:

@@ -151,6 +151,15 @@ def shared_state(trainer: DeviceTrainer) -> dict[str, torch.Tensor]:
     }
 
 
+def upload(job: Job, trainer: DeviceTrainer) -> tuple[dict[str, torch.Tensor], dict[str, float] | None]:
+    """What the device sends after a round: its shared tensors and, when the
+    server weighs experts by usage (Hermes), each uploaded expert tensor's usage count."""
+    tensors = shared_state(trainer)
+    if not job.method.upload_selected_only:
+        return tensors, None
+    return tensors, {name: count for name, count in expert_usage(trainer.model).items() if name in tensors}
+
+
 def expert_usage(model: nn.Module) -> dict[str, float]:
     """Tokens routed to each routed expert's tensors since the round began (Hermes ``h``)."""
     by_id = {}
@@ -223,3 +232,33 @@ def load_checkpoint(job: Job, device: int, model: nn.Module) -> None:
         raise UserError(f"checkpoint {path} does not fit the recipe's model (e.g. {sorted(unexpected)[:2]})",
                         "evaluate it with the recipe.yaml it was trained with")
     model.load_state_dict(state, strict=False)
+
+
+def run_local_procedure(job: Job, device: int, trainer: DeviceTrainer, seed: int) -> tuple[dict[str, float], int]:
+    """Run the method's local procedure for one round; returns train metrics and the example count."""
+    if job.recipe.is_language_modelling:
+        return _train_language_model(job, device, trainer, seed)
+    return _train_classifier(job, device, trainer, seed)
+
+
+def _train_language_model(job: Job, device: int, trainer: DeviceTrainer, seed: int) -> tuple[dict, int]:
+    # The centralized upper bound sees every user's batch at once (CoMiGS: 64 × 4).
+    batch = job.recipe.data.batch_size * len(users_of_device(job, device))
+    train_blocks = device_split(job, device, "train")
+    router_split = "valid" if job.method.router_data == "valid" else "train"
+    metrics = trainer.train_iterations(
+        job.recipe.federation.local_iterations,
+        batch_sampler(train_blocks, batch, seed, "train"),
+        batch_sampler(device_split(job, device, router_split), batch, seed, f"router-{router_split}"),
+    )
+    return metrics, int(train_blocks.shape[0])
+
+
+def _train_classifier(job: Job, device: int, trainer: DeviceTrainer, seed: int) -> tuple[dict, int]:
+    examples = federated_task(job).train[device]
+    sampler, per_epoch = epoch_sampler(examples, job.recipe.task.batch_size, seed)
+    epochs = job.recipe.federation.local_epochs
+    iterations = epochs * per_epoch if epochs else job.recipe.federation.local_iterations
+    # The trainer's iteration count runs on across rounds, and so do the epochs.
+    metrics = trainer.train_iterations(iterations, sampler, sampler)
+    return metrics, len(examples)

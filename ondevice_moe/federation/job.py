@@ -17,6 +17,7 @@ from pathlib import Path
 from flwr.app import Context
 
 from ondevice_moe.block_experts import BlockLayout
+from ondevice_moe.federation.rules import InverseFrequencyRule, ServerRule
 from ondevice_moe.inject import ExpertLayout
 from ondevice_moe.methods import Method, build_method
 from ondevice_moe.recipe import Recipe, load_recipe, validate_recipe
@@ -39,6 +40,15 @@ class Job:
         method = build_method(entry.name, self.block_layout, len(self.recipe.user_names), **entry.options())
         return replace(method, aggregation_alpha=self.recipe.hermes.aggregation_alpha,
                        aggregation_epsilon=self.recipe.hermes.aggregation_epsilon)
+
+    @property
+    def server_rule(self) -> ServerRule:
+        """What the server keeps, sends and how it combines uploads, for this method."""
+        weighting = self.recipe.federation.weighting
+        if self.method.aggregation == "inverse_frequency":
+            return InverseFrequencyRule(weighting, alpha=self.method.aggregation_alpha,
+                                        epsilon=self.method.aggregation_epsilon)
+        return ServerRule(weighting, partial_uploads=self.method.upload_selected_only)
 
     @property
     def expert_layout(self) -> ExpertLayout:

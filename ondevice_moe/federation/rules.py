@@ -1,0 +1,74 @@
+"""Server rules: what the server keeps, what each device is sent, how uploads combine.
+
+The server's state is a set of named *slots*, each a dict of tensors: one
+``global`` slot for FedAvg-style methods; FedSoft will keep ``cluster_0 …
+cluster_{S-1}``. A rule decides, per device, which tensors it is sent
+(:meth:`ServerRule.message_for`) and folds a round's sound updates into the
+slots (:meth:`ServerRule.aggregate`). Checking updates, sampling devices,
+timeouts and byte counting belong to the strategy, not to the rule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ondevice_moe.federation.aggregation import (
+    Update,
+    Weighting,
+    average,
+    example_weighting,
+    inverse_frequency_weighting,
+)
+
+Slots = dict[str, dict[str, torch.Tensor]]
+GLOBAL = "global"
+
+
+@dataclass(frozen=True)
+class ServerRule:
+    """FedAvg of the shared tensors into one ``global`` slot (McMahan et al., 2017).
+
+    ``weighting``: ``uniform`` (CoMiGS Alg. 1: θ^G = (1/N) Σ_i θ_i^G) or
+    ``num_examples``. ``partial_uploads``: devices may upload a subset of the
+    shared tensors (Hermes uploads only the experts it used); tensors nobody
+    uploaded keep their last value.
+    """
+
+    weighting: str = "uniform"
+    partial_uploads: bool = False
+
+    def initial_slots(self) -> Slots:
+        return {GLOBAL: {}}
+
+    def message_for(self, slots: Slots, device: int) -> dict[str, torch.Tensor]:
+        """The tensors device ``device`` is sent: here, the whole global slot."""
+        return slots[GLOBAL]
+
+    def reference(self, slots: Slots, device: int) -> dict[str, torch.Tensor]:
+        """The names and shapes an update from ``device`` is checked against."""
+        return slots[GLOBAL]
+
+    def weights(self) -> Weighting:
+        return example_weighting(self.weighting)
+
+    def aggregate(self, slots: Slots, updates: list[Update]) -> Slots:
+        """Fold a round's sound updates into the slots."""
+        if not any(update.tensors for update in updates):
+            return slots
+        return {**slots, GLOBAL: {**slots[GLOBAL], **average(updates, self.weights())}}
+
+
+@dataclass(frozen=True)
+class InverseFrequencyRule(ServerRule):
+    """Hermes eq. (10)–(11): each expert is averaged over the devices that uploaded
+    it with weights ω = (h + ε)^(−α), h the device's usage count of that expert;
+    tensors without a count (task heads) follow ``weighting``."""
+
+    alpha: float = 0.5
+    epsilon: float = 1.0
+    partial_uploads: bool = True
+
+    def weights(self) -> Weighting:
+        return inverse_frequency_weighting(self.alpha, self.epsilon, example_weighting(self.weighting))
