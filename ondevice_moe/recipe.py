@@ -17,8 +17,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from ondevice_moe.data.sources import SOURCES
 from ondevice_moe.data.tasks import TASKS
 from ondevice_moe.errors import UserError
-from ondevice_moe.methods.hermes import HERMES_ABLATIONS
-from ondevice_moe.methods.registry import COMIGS_VARIANTS, LM_METHODS, METHODS
+from ondevice_moe.methods.base import MethodContext, MethodOptions
+from ondevice_moe.methods.comigs.config import LoRASizes
+from ondevice_moe.methods.hermes.config import HermesSizes
+from ondevice_moe.methods.registry import CLASSIFICATION, LANGUAGE, METHODS, build_method, method_options
 from ondevice_moe.models.registry import MODEL_ALIASES
 from ondevice_moe.overrides import apply_override
 
@@ -42,13 +44,6 @@ class ModelSection(_Section):
             return name
         raise ValueError(f"unknown model '{name}'; use an alias ({', '.join(MODEL_ALIASES)}), "
                          "a hub id such as 'openai-community/gpt2', or a local folder")
-
-
-class ExpertsSection(_Section):
-    lora_rank: int = Field(8, ge=1)
-    lora_alpha: float = Field(16.0, gt=0)
-    top_k: int = Field(2, ge=1)
-    balance_form: Literal["uniform", "generalist"] = "uniform"
 
 
 class SourceSection(_Section):
@@ -126,7 +121,16 @@ class DataSection(_Section):
 
 
 class TaskSection(_Section):
-    """A classification task dealt to ``clients`` by Dirichlet(α) label skew (Hermes §5.1)."""
+    """What the clients learn, one of three kinds of task:
+
+    * a registered text task dealt to ``clients`` by Dirichlet(α) label skew (Hermes §5.1);
+    * a small vector or image task (``floral-linear``, ``fedsoft-10-90``, ``digits-rotate``, ...):
+      ``clients`` and ``clusters`` default to the paper's K and C, ``data_fraction: 0.05`` is FLoRAL's
+      Reduced variant and ``dirichlet_alpha`` skews ``digits-dirichlet``;
+    * the user's own labelled file: ``path`` (``.csv``, ``.tsv`` or ``.jsonl``), ``text_columns`` (one, or
+      two for sentence pairs), ``label_column`` (class names or indices), ``labels`` (the class names, in
+      index order) and ``metric``; ``name`` is then the user's own.
+    """
 
     name: str
     clients: int = Field(8, ge=1)
@@ -136,29 +140,58 @@ class TaskSection(_Section):
     max_length: int = Field(128, ge=4)
     batch_size: int = Field(32, ge=1)
     eval_batch_size: int = Field(64, ge=1)
+    path: str | None = None
+    text_columns: list[str] = Field(default_factory=lambda: ["text"], min_length=1, max_length=2)
+    label_column: str = "label"
+    labels: list[str] | None = None
+    metric: Literal["accuracy", "f1", "mcc"] = "accuracy"
+    clusters: int | None = Field(None, ge=1)
+    data_fraction: float = Field(1.0, gt=0, le=1)
 
-    @field_validator("name")
+    @model_validator(mode="before")
     @classmethod
-    def _known_task(cls, name: str) -> str:
-        if name not in TASKS:
-            raise ValueError(f"unknown task '{name}'; use one of {', '.join(TASKS)}")
-        return name
+    def _paper_clients(cls, value: Any) -> Any:
+        """A small task without ``clients`` gets its paper's K."""
+        if isinstance(value, dict) and "clients" not in value and value.get("path") is None:
+            task = TASKS.get(value.get("name"))
+            if task is not None and task.clients is not None:
+                value = {**value, "clients": task.clients}
+        return value
 
+    @model_validator(mode="after")
+    def _fits_task(self) -> TaskSection:
+        from ondevice_moe.data.small import check_small_options
 
-class HermesSection(_Section):
-    """Expert and router hyper-parameters of Hermes §5.1 (γ is not given in the paper)."""
+        file_keys = sorted({"text_columns", "label_column", "labels", "metric"} & self.model_fields_set)
+        small_keys = sorted({"clusters", "data_fraction"} & self.model_fields_set)
+        if self.path is None and self.name not in TASKS:
+            raise ValueError(f"unknown task '{self.name}'; use one of {', '.join(TASKS)}, "
+                             "or give `path` (and `labels`) to read your own labelled CSV / JSONL file")
+        if self.path is None and file_keys:
+            raise ValueError(f"{file_keys} only apply to your own labelled file: give `path` too, or drop them")
+        if self.path is not None and self.name in TASKS:
+            raise ValueError(f"'{self.name}' is a registered task; give the task read from `path` another name")
+        if self.path is not None and self.labels is None:
+            raise ValueError("a task read from `path` needs `labels`: its class names in index order, "
+                             "e.g. [negative, positive]")
+        try:
+            task = self.spec()
+            if not task.is_text:
+                check_small_options(task, self.clients, self.clusters, self.data_fraction)
+        except UserError as error:
+            raise ValueError(f"{error.problem}; {error.fix}") from None
+        if task.is_text and small_keys:
+            raise ValueError(f"{small_keys} only apply to the small tasks, not to '{self.name}'")
+        return self
 
-    lora_rank: int = Field(8, ge=1)
-    lora_alpha: float = Field(16.0, gt=0)
-    adapter_rank: int = Field(16, ge=1)
-    prefix_length: int = Field(16, ge=1)
-    top_k: int = Field(2, ge=1)
-    temperature: float = Field(0.1, gt=0)
-    gamma: float = Field(0.5, ge=0, le=1)
-    bias_rate: float = Field(0.05, ge=0)
-    gradient_ema: float = Field(0.9, ge=0, lt=1)
-    aggregation_alpha: float = Field(0.5, ge=0)
-    aggregation_epsilon: float = Field(1.0, gt=0)
+    def spec(self) -> Any:
+        """The :class:`~ondevice_moe.data.tasks.TaskSpec`: a registered task, or one over the user's file."""
+        from ondevice_moe.data.tasks import UserTaskFile, user_task
+
+        if self.path is None:
+            return TASKS[self.name]
+        file = UserTaskFile(Path(self.path).expanduser(), tuple(self.text_columns), self.label_column)
+        return user_task(self.name, self.labels, file, self.metric)
 
 
 FaultKind = Literal["crash", "nan", "wrong-shape", "slow"]
@@ -224,39 +257,29 @@ class TrainingSection(_Section):
     lr_schedule: Literal["one-cycle-cosine", "constant"] = "one-cycle-cosine"
 
 
-class MethodEntry(_Section):
+class MethodEntry(BaseModel):
+    """A method of the run: ``name`` plus the options its own schema takes
+    (``ondevice_moe.methods.registry``); a bare string is a method with defaults."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
     name: str
-    variant: str | None = None
-    experts: list[int] | None = None
-    router_data: Literal["valid", "train"] = "valid"
-    ablation: str | None = None
-    top_k: int | None = Field(None, ge=1)
 
     @model_validator(mode="before")
     @classmethod
     def _from_string(cls, value: Any) -> Any:
         return {"name": value} if isinstance(value, str) else value
 
-    @model_validator(mode="after")
-    def _known(self) -> MethodEntry:
-        if self.name not in METHODS:
-            raise ValueError(f"unknown method '{self.name}'; use one of {', '.join(METHODS)}")
-        if self.variant is not None and self.name != "comigs":
-            raise ValueError(f"method '{self.name}' has no variants (only comigs: {', '.join(COMIGS_VARIANTS)})")
-        if self.name == "comigs" and (self.variant or "1G1S") not in COMIGS_VARIANTS:
-            raise ValueError(f"unknown comigs variant '{self.variant}'; use one of {', '.join(COMIGS_VARIANTS)}")
-        if (self.ablation is not None or self.top_k is not None) and self.name != "hermes":
-            raise ValueError(f"method '{self.name}' takes no `ablation` or `top_k` (only hermes does)")
-        if self.ablation is not None and self.ablation not in HERMES_ABLATIONS:
-            raise ValueError(f"unknown hermes ablation '{self.ablation}'; use one of {', '.join(HERMES_ABLATIONS)}")
-        return self
+    @field_validator("name")
+    @classmethod
+    def _known(cls, name: str) -> str:
+        if name not in METHODS:
+            raise ValueError(f"unknown method '{name}'; use one of {', '.join(METHODS)}")
+        return name
 
-    def options(self) -> dict[str, object]:
-        if self.name == "hermes":
-            return {"ablation": self.ablation, "top_k": self.top_k}
-        if self.name != "comigs":
-            return {}
-        return {"variant": self.variant or "1G1S", "experts": self.experts, "router_data": self.router_data}
+    def raw_options(self) -> dict[str, Any]:
+        """The entry's own options, as written."""
+        return dict(self.model_extra or {})
 
 
 class Recipe(_Section):
@@ -266,8 +289,8 @@ class Recipe(_Section):
     description: str = ""
     seed: int = 0
     model: ModelSection = ModelSection()
-    experts: ExpertsSection = ExpertsSection()
-    hermes: HermesSection = HermesSection()
+    experts: LoRASizes = LoRASizes()
+    hermes: HermesSizes = HermesSizes()
     data: DataSection | None = None
     task: TaskSection | None = None
     federation: FederationSection = FederationSection()
@@ -279,12 +302,37 @@ class Recipe(_Section):
         if (self.data is None) == (self.task is None):
             raise ValueError("give either `data` (language modelling, one domain per user) "
                              "or `task` (classification with Dirichlet clients), not both or neither")
-        wrong = [m.name for m in self.methods if (m.name in LM_METHODS) != self.is_language_modelling]
+        kind = LANGUAGE if self.is_language_modelling else CLASSIFICATION
+        wrong = [m.name for m in self.methods if kind not in METHODS[m.name].tasks]
         if wrong:
-            kind = "language-modelling" if self.is_language_modelling else "classification"
-            valid = sorted(LM_METHODS) if self.is_language_modelling else sorted(set(METHODS) - set(LM_METHODS))
-            raise ValueError(f"methods {wrong} do not fit a {kind} recipe; use {', '.join(valid)}")
+            valid = [name for name, spec in METHODS.items() if kind in spec.tasks]
+            raise ValueError(f"methods {wrong} do not run on a {kind} recipe; use {', '.join(valid)}")
+        names = [self.method_name(index) for index in range(len(self.methods))]
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:
+            raise ValueError(f"two method entries resolve to the same name {repeated}; "
+                             "give one of them `label: <another name>`")
         return self
+
+    def method_options(self, index: int) -> MethodOptions:
+        """Entry ``index``'s options, validated by its method's schema, with its family's section as defaults."""
+        entry = self.methods[index]
+        section = METHODS[entry.name].defaults_section
+        defaults = getattr(self, section).model_dump() if section else {}
+        try:
+            return method_options(entry.name, entry.raw_options(), defaults)
+        except UserError as error:
+            raise ValueError(f"{error.problem} ({error.fix})") from None
+
+    def method_context(self) -> MethodContext:
+        return MethodContext(num_users=len(self.user_names), weighting=self.federation.weighting)
+
+    def method_name(self, index: int) -> str:
+        """The name entry ``index``'s results are reported under."""
+        try:
+            return build_method(self.methods[index].name, self.method_options(index), self.method_context()).name
+        except UserError as error:
+            raise ValueError(f"{error.problem} ({error.fix})") from None
 
     @property
     def is_language_modelling(self) -> bool:

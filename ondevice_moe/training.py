@@ -15,9 +15,8 @@ from typing import Literal
 import torch
 from torch import nn
 
-from ondevice_moe.block_experts import block_routers
+from ondevice_moe.layout import hermes_routers, routing_sites, total_balance_loss
 from ondevice_moe.methods import Method
-from ondevice_moe.mixture import mixtures, total_balance_loss
 
 
 @dataclass(frozen=True)
@@ -62,9 +61,9 @@ class DeviceTrainer:
     def __post_init__(self) -> None:
         self.trainable = [(n, p) for n, p in self.model.named_parameters()
                           if p.requires_grad and self.method.is_trainable(n)]
-        self.block_routers = block_routers(self.model)
+        self.hermes_routers = hermes_routers(self.model)
         expert_params = self.expert_parameters()
-        if self.method.router_update == "joint":
+        if self.method.procedure.routers == "joint":
             expert_params += self.router_parameters()
         if expert_params:
             self.expert_optimizer = torch.optim.AdamW(expert_params, lr=self.config.lr,
@@ -74,7 +73,7 @@ class DeviceTrainer:
             schedule = (lambda step: one_cycle_cosine(step, total, warmup)) \
                 if self.config.lr_schedule == "one-cycle-cosine" else (lambda step: 1.0)
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.expert_optimizer, schedule)
-        if self.method.router_update == "bilevel" and self.router_parameters():
+        if self.method.procedure.routers == "bilevel" and self.router_parameters():
             self.router_optimizer = torch.optim.AdamW(
                 self.router_parameters(), lr=self.config.router_lr, weight_decay=0.0
             )
@@ -96,12 +95,12 @@ class DeviceTrainer:
         (or fresh training batches in the ``-tr`` ablation).
         """
         losses, router_losses = [], []
-        score_sums = [torch.zeros(len(m.expert_names)) for m in mixtures(self.model)]
+        score_sums = [torch.zeros(len(m.expert_names)) for m in routing_sites(self.model)]
         for _ in range(iterations):
             self.iteration += 1
             losses.append(self.expert_step(train_batches(self.iteration)))
-            for sums, mixture in zip(score_sums, mixtures(self.model), strict=True):
-                sums += mixture.last_scores
+            for sums, site in zip(score_sums, routing_sites(self.model), strict=True):
+                sums += site.last_scores
             if self.router_optimizer is not None and self.iteration % self.config.router_period == 0:
                 for step in range(self.config.router_steps):
                     router_index = (self.iteration // self.config.router_period) * self.config.router_steps + step
@@ -109,14 +108,14 @@ class DeviceTrainer:
         metrics = {"train_loss": sum(losses) / max(len(losses), 1), "iteration": float(self.iteration)}
         if router_losses:
             metrics["router_loss"] = sum(router_losses) / len(router_losses)
-        for layer, (sums, mixture) in enumerate(zip(score_sums, mixtures(self.model), strict=True)):
-            for name, total in zip(mixture.expert_names, sums.tolist(), strict=True):
+        for layer, (sums, site) in enumerate(zip(score_sums, routing_sites(self.model), strict=True)):
+            for name, total in zip(site.expert_names, sums.tolist(), strict=True):
                 metrics[f"layer_{layer}/expert_{name}_score"] = total / max(iterations, 1)
         return metrics
 
     def expert_step(self, batch: Batch) -> float:
         """One step on the experts (CoMiGS eq. 3); routers are held fixed unless trained jointly."""
-        return self._step(batch, self.expert_optimizer, train_router=self.method.router_update == "joint",
+        return self._step(batch, self.expert_optimizer, train_router=self.method.procedure.routers == "joint",
                           train_experts=True, scheduler=self.scheduler)
 
     def router_step(self, batch: Batch) -> float:
@@ -135,12 +134,12 @@ class DeviceTrainer:
                 loss = loss + self.config.balance_weight * balance
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
-            for router in self.block_routers:
+            for router in self.hermes_routers:
                 router.after_backward()
             params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
             torch.nn.utils.clip_grad_norm_(params, self.config.grad_clip)
             optimizer.step()
-            for router in self.block_routers:
+            for router in self.hermes_routers:
                 router.update_bias()
             if scheduler is not None:
                 scheduler.step()

@@ -6,14 +6,14 @@ import pytest
 import torch
 from conftest import VOCAB
 
-from ondevice_moe.inject import ExpertLayout, attach_experts
-from ondevice_moe.methods import build_method
+from ondevice_moe.layout import attach_layout
+from ondevice_moe.methods import method_for
 from ondevice_moe.training import DeviceTrainer, TrainingConfig
 
 
 def _trainer(tiny_model, name="comigs", **options) -> DeviceTrainer:
-    method = build_method(name, ExpertLayout(), num_users=2, **options)
-    model = attach_experts(tiny_model, method.layouts[0], seed=0)
+    method = method_for(name, 2, **options)
+    model = attach_layout(tiny_model, method.layouts[0], seed=0)
     config = TrainingConfig(router_period=3, router_steps=2, batch_size=2, total_iterations=20, lr=1e-2,
                             router_lr=1e-2)
     return DeviceTrainer(model, method, config)
@@ -77,8 +77,8 @@ def test_experts_never_move_on_router_steps(tiny_model):
 
 
 def test_train_split_ablation_samples_router_batches_from_training_data(tiny_model):
-    method = build_method("comigs", ExpertLayout(), num_users=2, router_data="train")
-    assert method.router_data == "train" and method.name == "comigs-1G1S-tr"
+    method = method_for("comigs", 2, router_data="train")
+    assert method.procedure.router_data == "train" and method.name == "comigs-1G1S-tr"
 
 
 def test_joint_router_moves_with_experts(tiny_model):

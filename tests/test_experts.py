@@ -5,19 +5,25 @@ import torch
 from torch import nn
 
 from ondevice_moe.experts import LoRA, LoRAAdaptedLinear
-from ondevice_moe.inject import ExpertLayout, attach_experts
+from ondevice_moe.layout import Layout, RouterSpec, attach_layout, lora_experts
 from ondevice_moe.mixture import MixtureMLP, mixtures
+
+
+def _comigs_layout(*roles: str) -> Layout:
+    """CoMiGS's default device: attention LoRA plus LoRA experts of ``roles`` in the MLP under a top-k router."""
+    return Layout(experts=lora_experts(roles or ("shared", "private")), router=RouterSpec("token-topk"),
+                  mixing="mlp", attention_lora="shared")
 
 
 def test_fresh_experts_leave_outputs_unchanged(tiny_model, tokens):
     reference = tiny_model(tokens).logits
-    model = attach_experts(tiny_model, ExpertLayout(), seed=0, user=3).eval()
+    model = attach_layout(tiny_model, _comigs_layout(), seed=0, user=3).eval()
     assert len(mixtures(model)) == tiny_model.config.num_hidden_layers
     assert torch.equal(model(tokens).logits, reference)
 
 
 def test_attached_model_shares_frozen_weights_and_trains_only_experts(tiny_model):
-    model = attach_experts(tiny_model, ExpertLayout(), seed=0)
+    model = attach_layout(tiny_model, _comigs_layout(), seed=0)
     base_params = {p.data_ptr() for p in tiny_model.parameters()}
     for name, param in model.named_parameters():
         is_expert = name.endswith(("lora_A", "lora_B")) or ".router." in name
@@ -47,9 +53,9 @@ def test_adapted_linear_adds_each_adapter():
 
 
 def test_shared_experts_start_identical_across_users_private_ones_differ(tiny_model):
-    layout = ExpertLayout(mlp_experts=("shared_0", "private_0"))
-    first = dict(attach_experts(tiny_model, layout, seed=0, user=0).named_parameters())
-    second = dict(attach_experts(tiny_model, layout, seed=0, user=1).named_parameters())
+    layout = _comigs_layout("shared", "private")
+    first = dict(attach_layout(tiny_model, layout, seed=0, user=0).named_parameters())
+    second = dict(attach_layout(tiny_model, layout, seed=0, user=1).named_parameters())
     shared_a = [n for n in first if ".shared_0." in n and n.endswith("lora_A")]
     private_a = [n for n in first if ".private_0." in n and n.endswith("lora_A")]
     assert shared_a and private_a
@@ -75,8 +81,8 @@ def _naive_mixture(mixture: MixtureMLP, hidden: torch.Tensor, arch: str) -> torc
 
 def test_single_pass_mixture_equals_per_expert_mlps(tiny_model):
     arch = tiny_model.config.model_type
-    layout = ExpertLayout(mlp_experts=("shared_0", "private_0", "private_1"), top_k=2)
-    model = attach_experts(tiny_model, layout, seed=0).eval()
+    layout = _comigs_layout("shared", "private", "private")
+    model = attach_layout(tiny_model, layout, seed=0).eval()
     mixture = mixtures(model)[0]
     with torch.no_grad():
         for param in mixture.parameters():

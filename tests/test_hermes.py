@@ -5,10 +5,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from ondevice_moe.block_experts import BlockLayout, attach_block_experts, block_routers
 from ondevice_moe.federation.aggregation import Update, average, example_weighting, inverse_frequency_weighting
 from ondevice_moe.federation.device import expert_usage, shared_state, start_round
-from ondevice_moe.methods import build_method
+from ondevice_moe.layout import ExpertSpec, Layout, RouterSpec, attach_layout, hermes_routers
+from ondevice_moe.methods import method_for
 from ondevice_moe.models.tiny import tiny_model
 from ondevice_moe.training import DeviceTrainer, TrainingConfig
 
@@ -17,8 +17,8 @@ from ondevice_moe.training import DeviceTrainer, TrainingConfig
 def hermes_trainer():
     torch.manual_seed(0)
     base = tiny_model("tiny-bert", 257, num_labels=2).eval().requires_grad_(False)
-    method = build_method("hermes", BlockLayout(top_k=1), num_users=2)
-    model = attach_block_experts(base, method.layouts[0], seed=0, own=("classifier", "bert.pooler"))
+    method = method_for("hermes", 2, top_k=1)
+    model = attach_layout(base, method.layouts[0], seed=0, own=("classifier", "bert.pooler"))
     for path in ("classifier", "bert.pooler"):
         model.get_submodule(path).requires_grad_(True)
     return DeviceTrainer(model, method, TrainingConfig(lr=1e-2, lr_schedule="constant"))
@@ -33,20 +33,20 @@ def _batch(seed: int = 0) -> dict[str, torch.Tensor]:
 
 def _force_single_expert(trainer: DeviceTrainer, expert: str) -> None:
     """Bias every router so that all tokens pick ``expert`` (top-1)."""
-    for router in block_routers(trainer.model):
+    for router in hermes_routers(trainer.model):
         router.bias.fill_(-10.0)
         router.bias[router.experts.index(expert)] = 10.0
         router.bias_rate = 0.0
 
 
 def test_unselected_experts_get_no_gradient_and_are_not_uploaded(hermes_trainer):
-    _force_single_expert(hermes_trainer, "adapter")
+    _force_single_expert(hermes_trainer, "shared_1")  # lora, adapter, prefix = shared_0, _1, _2
     start_round(hermes_trainer.model)
     before = {n: p.detach().clone() for n, p in hermes_trainer.model.named_parameters()}
     hermes_trainer.expert_step(_batch())
     after = dict(hermes_trainer.model.named_parameters())
     moved = {n for n in before if not torch.equal(before[n], after[n])}
-    assert any(".adapters.shared." in n and "output.dense" in n for n in moved), "the selected adapter must train"
+    assert any(".adapters.shared_1." in n and "output.dense" in n for n in moved), "the selected adapter must train"
     assert not any("lora_" in n or ".prefix." in n for n in moved), "unselected experts must not move"
     uploaded = set(shared_state(hermes_trainer))
     assert not any("lora_" in n or ".prefix." in n for n in uploaded)
@@ -74,7 +74,7 @@ def test_inverse_frequency_weights_match_hand_computation():
 
 
 def test_gradient_view_follows_training(hermes_trainer):
-    routers = block_routers(hermes_trainer.model)
+    routers = hermes_routers(hermes_trainer.model)
     initial = [r.gradient_score.clone() for r in routers]
     hermes_trainer.expert_step(_batch())
     assert any(not torch.equal(a, r.gradient_score) for a, r in zip(initial, routers, strict=True))
@@ -89,13 +89,14 @@ def test_prefix_on_an_unsupported_model_is_refused():
 
     model = XLNetForSequenceClassification(XLNetConfig(d_model=32, n_layer=1, n_head=2, d_inner=64, vocab_size=50))
     with pytest.raises(UserError, match=r"expert sites|attention"):
-        attach_block_experts(model, BlockLayout(experts=("prefix",), router="none"), seed=0)
+        attach_layout(model, Layout(experts=(ExpertSpec("prefix", "shared"),), router=RouterSpec("none"),
+                                    mixing="block"), seed=0)
 
 
 def test_bundled_classification_recipes_hold_hermes_and_every_baseline():
     from ondevice_moe.recipe import load_recipe
 
     recipe = load_recipe(Path(__file__).parent.parent / "recipes" / "hermes-minilm-rotten-tomatoes.yaml")
-    names = {m.name + (m.ablation or "") for m in recipe.methods}
+    names = {recipe.method_name(index) for index in range(len(recipe.methods))}
     assert {"hermes", "fed-ft", "fed-lora", "fed-adapter", "fed-prefix", "fed-unipelt"} <= names
-    assert {"hermesw/o-A", "hermesw/o-K", "hermesw/o-G", "hermesw/o-F"} <= names
+    assert {"hermes-w/o-A", "hermes-w/o-K", "hermes-w/o-G", "hermes-w/o-F"} <= names

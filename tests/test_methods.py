@@ -3,16 +3,16 @@ import torch
 
 from ondevice_moe.errors import UserError
 from ondevice_moe.federation.aggregation import Update, average, check_update, example_weighting
-from ondevice_moe.inject import ExpertLayout, attach_experts
-from ondevice_moe.methods import Role, build_method
+from ondevice_moe.layout import attach_layout
+from ondevice_moe.methods import Role, method_for
 from ondevice_moe.training import DeviceTrainer, TrainingConfig
 
 
 def _shared_names(tiny_model, name, **options):
     from ondevice_moe.federation.device import shared_state
 
-    method = build_method(name, ExpertLayout(), num_users=2, **options)
-    model = attach_experts(tiny_model, method.layouts[0], seed=0)
+    method = method_for(name, 2, **options)
+    model = attach_layout(tiny_model, method.layouts[0], seed=0)
     return set(shared_state(DeviceTrainer(model, method, TrainingConfig())))
 
 
@@ -46,18 +46,18 @@ def test_comigs_halves_upload_against_fedavg(tiny_model):
 
 
 def test_1gxs_layouts_follow_expert_counts():
-    method = build_method("comigs", ExpertLayout(), num_users=3, variant="1GXs", experts=[1, 3, 2])
-    assert [layout.mlp_experts for layout in method.layouts] == [
-        ("shared_0",), ("shared_0", "private_0", "private_1"), ("shared_0", "private_0")]
+    method = method_for("comigs", 3, variant="1GXs", experts=[1, 3, 2])
+    assert [layout.expert_names for layout in method.layouts] == [
+        ["shared_0"], ["shared_0", "private_0", "private_1"], ["shared_0", "private_0"]]
 
 
 def test_1gxs_needs_one_count_per_user():
     with pytest.raises(UserError, match="one count"):
-        build_method("comigs", ExpertLayout(), num_users=3, variant="1GXs", experts=[2, 2])
+        method_for("comigs", 3, variant="1GXs", experts=[2, 2])
 
 
 def test_roles_from_names():
-    method = build_method("comigs", ExpertLayout(), num_users=2)
+    method = method_for("comigs", 2)
     assert method.role_of("model.layers.0.mlp.experts.shared_0.up_proj.lora_A") is Role.SHARED
     assert method.role_of("model.layers.0.mlp.experts.private_0.up_proj.lora_A") is Role.PRIVATE
     assert method.role_of("model.layers.0.mlp.router.gate.weight") is Role.PRIVATE

@@ -11,7 +11,7 @@ import math
 import torch
 from torch import nn
 
-from ondevice_moe.experts.lora import Gate
+from ondevice_moe.experts.lora import Gate, gated_sum
 
 
 class Adapter(nn.Module):
@@ -31,23 +31,26 @@ class Adapter(nn.Module):
 
 
 class AdapterAfter(nn.Module):
-    """A frozen sublayer followed by its adapters: ``y = f(x) + Σ gate · adapter(f(x))``.
+    """A frozen sublayer followed by its adapters: ``y = f(x) + Σ_j g_j · adapter_j(f(x))``.
 
     Placed after the feed-forward sublayer (Houlsby), before the block's
-    dropout / layer norm / residual. ``gate`` returns the router's per-token
-    weight for this expert, shape ``(…, 1)``, or ``None`` (weight 1).
+    dropout / layer norm / residual. ``gates`` maps an adapter's key to the
+    router's per-token weight for it, shape ``(…, 1)``; adapters without a gate
+    are always on.
     """
 
-    def __init__(self, base: nn.Module, adapters: dict[str, Adapter], gate: Gate | None = None) -> None:
+    def __init__(self, base: nn.Module, adapters: dict[str, Adapter], gates: dict[str, Gate] | None = None) -> None:
         super().__init__()
         self.base = base
         self.adapters = nn.ModuleDict(adapters)
-        self.gate = gate
+        self.gates = dict(gates or {})
+
+    def add(self, name: str, adapter: Adapter, gate: Gate | None = None) -> None:
+        self.adapters[name] = adapter
+        if gate is not None:
+            self.gates[name] = gate
 
     def forward(self, *args: torch.Tensor, **kwargs: object) -> torch.Tensor:
         out = self.base(*args, **kwargs)
-        residual = sum(adapter(out) for adapter in self.adapters.values())
-        weight = self.gate() if self.gate is not None else None
-        if weight is not None:
-            residual = weight * residual
+        residual = gated_sum({name: adapter(out) for name, adapter in self.adapters.items()}, self.gates)
         return out + residual.to(out.dtype)

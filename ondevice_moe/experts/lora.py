@@ -63,25 +63,39 @@ class LoRA(nn.Module):
         return nn.functional.linear(hidden, self.lora_B) * self.scaling
 
 
-class LoRAAdaptedLinear(nn.Module):
-    """A frozen linear layer plus the sum of its LoRA adapters, keyed by role.
+def gated_sum(residuals: dict[str, torch.Tensor], gates: dict[str, Gate]) -> torch.Tensor:
+    """``Σ_j g_j · Δ_j``: each residual scaled by its expert's per-token router weight
+    (Hermes eq. 9); residuals without a gate (or before the router ran) count in full."""
+    total = None
+    for name, residual in residuals.items():
+        weight = gates[name]() if name in gates else None
+        term = residual if weight is None else weight * residual
+        total = term if total is None else total + term
+    return total
 
-    The adapter key (``shared``/``private``) carries the role into parameter
-    names, e.g. ``attn.c_attn.adapters.shared.lora_A``. ``gate``, when given,
-    returns the router's per-token weight for this expert, shape ``(…, 1)``
-    (Hermes eq. 9); without it every token takes the adapters in full.
+
+class LoRAAdaptedLinear(nn.Module):
+    """A frozen linear layer plus its LoRA adapters, keyed by expert name.
+
+    The key carries the role into parameter names, e.g.
+    ``attn.c_attn.adapters.shared.lora_A`` or ``…adapters.private_0.lora_A``.
+    ``gates`` maps a key to the router's per-token weight for that expert,
+    shape ``(…, 1)``; adapters without a gate are always on.
     """
 
-    def __init__(self, base: nn.Module, adapters: dict[str, LoRA], gate: Gate | None = None) -> None:
+    def __init__(self, base: nn.Module, adapters: dict[str, LoRA], gates: dict[str, Gate] | None = None) -> None:
         super().__init__()
         self.base = base
         self.adapters = nn.ModuleDict(adapters)
-        self.gate = gate
+        self.gates = dict(gates or {})
+
+    def add(self, name: str, adapter: LoRA, gate: Gate | None = None) -> None:
+        """Attach one more adapter (an expert of another role or router) to this layer."""
+        self.adapters[name] = adapter
+        if gate is not None:
+            self.gates[name] = gate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
-        residual = sum(adapter(x) for adapter in self.adapters.values())
-        weight = self.gate() if self.gate is not None else None
-        if weight is not None:
-            residual = weight * residual
+        residual = gated_sum({name: adapter(x) for name, adapter in self.adapters.items()}, self.gates)
         return out + residual.to(out.dtype)

@@ -62,9 +62,10 @@ def prefix_attention(
     allowed = _allowed(module, attention_mask, q_len, k_len, query.device)
     negative = torch.finfo(query.dtype).min
     base_bias = torch.zeros(allowed.shape, dtype=query.dtype, device=query.device).masked_fill(~allowed, negative)
-    gate = module.prefix_gate() if getattr(module, "prefix_gate", None) is not None else None
+    gates = getattr(module, "prefix_gates", {})
     prefix_keys, prefix_values, prefix_bias = [], [], []
-    for prefix in prefixes.values():
+    for name, prefix in prefixes.items():
+        gate = gates[name]() if name in gates else None
         prefix_keys.append(prefix.key.to(key.dtype).unsqueeze(0).expand(batch, -1, -1, -1))
         prefix_values.append(prefix.value.to(value.dtype).unsqueeze(0).expand(batch, -1, -1, -1))
         length = prefix.key.shape[1]

@@ -14,13 +14,12 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 from torch import nn
 
-from ondevice_moe.block_experts import BlockLayout, attach_block_experts, block_routers
 from ondevice_moe.data.classification import FederatedTask, build_federated_task
 from ondevice_moe.data.splits import SourceSpec, UserData, build_user_data
 from ondevice_moe.data.tasks import get_task
 from ondevice_moe.errors import UserError
 from ondevice_moe.federation.job import Job
-from ondevice_moe.inject import attach_experts
+from ondevice_moe.layout import attach_layout, hermes_routers
 from ondevice_moe.methods import Role
 from ondevice_moe.models import LoadedModel, load_base_model
 from ondevice_moe.training import DeviceTrainer, trainable_state
@@ -89,16 +88,15 @@ def build_model(job: Job, device: int) -> nn.Module:
     """The device's model: the shared base with this device's experts (and task head) attached."""
     layout = job.method.layouts[device]
     base = job_base_model(job).model
-    if job.method.full_finetune:
-        model = copy.deepcopy(base)
-        return model.requires_grad_(True)
-    if isinstance(layout, BlockLayout):
-        heads = head_paths(base)
-        model = attach_block_experts(base, layout, seed=job.recipe.seed, own=heads)
-        for path in heads:
-            model.get_submodule(path).requires_grad_(True)
-        return model
-    return base if layout is None else attach_experts(base, layout, seed=job.recipe.seed, user=device)
+    if job.method.procedure.full_finetune:
+        return copy.deepcopy(base).requires_grad_(True)
+    if layout is None:
+        return base
+    heads = () if job.recipe.is_language_modelling else head_paths(base)
+    model = attach_layout(base, layout, seed=job.recipe.seed, user=device, own=heads)
+    for path in heads:
+        model.get_submodule(path).requires_grad_(True)
+    return model
 
 
 def head_paths(model: nn.Module) -> tuple[str, ...]:
@@ -139,7 +137,7 @@ def save_private_state(trainer: DeviceTrainer, state: RecordDict) -> None:
 def shared_state(trainer: DeviceTrainer) -> dict[str, torch.Tensor]:
     """The tensors that leave the device: shared and trainable.
 
-    With ``upload_selected_only`` (Hermes), experts that no token selected in
+    With ``sharing.selected_only`` (Hermes), experts that no token selected in
     the round stay home.
     """
     usage = expert_usage(trainer.model)
@@ -147,7 +145,7 @@ def shared_state(trainer: DeviceTrainer) -> dict[str, torch.Tensor]:
         name: tensor.clone()
         for name, tensor in trainable_state(trainer.model).items()
         if trainer.method.role_of(name) is Role.SHARED and trainer.method.is_trainable(name)
-        and not (trainer.method.upload_selected_only and usage.get(name, 1.0) == 0)
+        and not (trainer.method.sharing.selected_only and usage.get(name, 1.0) == 0)
     }
 
 
@@ -155,7 +153,7 @@ def upload(job: Job, trainer: DeviceTrainer) -> tuple[dict[str, torch.Tensor], d
     """What the device sends after a round: its shared tensors and, when the
     server weighs experts by usage (Hermes), each uploaded expert tensor's usage count."""
     tensors = shared_state(trainer)
-    if not job.method.upload_selected_only:
+    if not job.method.sharing.selected_only:
         return tensors, None
     return tensors, {name: count for name, count in expert_usage(trainer.model).items() if name in tensors}
 
@@ -163,7 +161,7 @@ def upload(job: Job, trainer: DeviceTrainer) -> tuple[dict[str, torch.Tensor], d
 def expert_usage(model: nn.Module) -> dict[str, float]:
     """Tokens routed to each routed expert's tensors since the round began (Hermes ``h``)."""
     by_id = {}
-    for router in block_routers(model):
+    for router in hermes_routers(model):
         for index, kind in enumerate(router.experts):
             for param in router.expert_params.get(kind, []):
                 by_id[id(param)] = float(router.usage[index])
@@ -172,7 +170,7 @@ def expert_usage(model: nn.Module) -> dict[str, float]:
 
 def start_round(model: nn.Module) -> None:
     """Reset the routers' usage counts: each upload reports one round's usage."""
-    for router in block_routers(model):
+    for router in hermes_routers(model):
         router.usage.zero_()
 
 
@@ -245,7 +243,7 @@ def _train_language_model(job: Job, device: int, trainer: DeviceTrainer, seed: i
     # The centralized upper bound sees every user's batch at once (CoMiGS: 64 × 4).
     batch = job.recipe.data.batch_size * len(users_of_device(job, device))
     train_blocks = device_split(job, device, "train")
-    router_split = "valid" if job.method.router_data == "valid" else "train"
+    router_split = job.method.procedure.router_data
     metrics = trainer.train_iterations(
         job.recipe.federation.local_iterations,
         batch_sampler(train_blocks, batch, seed, "train"),

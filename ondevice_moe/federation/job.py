@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
 from flwr.app import Context
 
-from ondevice_moe.block_experts import BlockLayout
-from ondevice_moe.federation.rules import InverseFrequencyRule, ServerRule
-from ondevice_moe.inject import ExpertLayout
+from ondevice_moe.federation.rules import ServerRule
 from ondevice_moe.methods import Method, build_method
 from ondevice_moe.recipe import Recipe, load_recipe, validate_recipe
 from ondevice_moe.training import TrainingConfig
@@ -34,34 +32,15 @@ class Job:
 
     @cached_property
     def method(self) -> Method:
-        entry = self.recipe.methods[self.method_index]
-        if self.recipe.is_language_modelling:
-            return build_method(entry.name, self.expert_layout, len(self.recipe.user_names), **entry.options())
-        method = build_method(entry.name, self.block_layout, len(self.recipe.user_names), **entry.options())
-        return replace(method, aggregation_alpha=self.recipe.hermes.aggregation_alpha,
-                       aggregation_epsilon=self.recipe.hermes.aggregation_epsilon)
+        """The method of entry ``method_index``, resolved for the recipe's devices."""
+        recipe = self.recipe
+        entry = recipe.methods[self.method_index]
+        return build_method(entry.name, recipe.method_options(self.method_index), recipe.method_context())
 
     @property
     def server_rule(self) -> ServerRule:
         """What the server keeps, sends and how it combines uploads, for this method."""
-        weighting = self.recipe.federation.weighting
-        if self.method.aggregation == "inverse_frequency":
-            return InverseFrequencyRule(weighting, alpha=self.method.aggregation_alpha,
-                                        epsilon=self.method.aggregation_epsilon)
-        return ServerRule(weighting, partial_uploads=self.method.upload_selected_only)
-
-    @property
-    def expert_layout(self) -> ExpertLayout:
-        experts = self.recipe.experts
-        return ExpertLayout(rank=experts.lora_rank, alpha=experts.lora_alpha, top_k=experts.top_k,
-                            balance_form=experts.balance_form)
-
-    @property
-    def block_layout(self) -> BlockLayout:
-        h = self.recipe.hermes
-        return BlockLayout(lora_rank=h.lora_rank, lora_alpha=h.lora_alpha, adapter_rank=h.adapter_rank,
-                           prefix_length=h.prefix_length, top_k=h.top_k, temperature=h.temperature,
-                           gamma=h.gamma, bias_rate=h.bias_rate, gradient_ema=h.gradient_ema)
+        return self.method.server_rule
 
     @property
     def batch_size(self) -> int:

@@ -1,7 +1,9 @@
-"""Methods: which experts a device holds, which of them the server aggregates,
-and how the device trains them. One registry for CoMiGS and its baselines."""
+"""Methods: a layout of experts per device, a local procedure and a server rule,
+each method in its own folder; :mod:`ondevice_moe.methods.registry` names them."""
 
-from ondevice_moe.methods.base import Method, Role
-from ondevice_moe.methods.registry import LM_METHODS, METHODS, build_method
+from ondevice_moe.methods.base import Method, MethodContext, MethodOptions, Role
+from ondevice_moe.methods.registry import METHODS, build_method, method_for, method_options
 
-__all__ = ["LM_METHODS", "METHODS", "Method", "Role", "build_method"]
+__all__ = [
+    "METHODS", "Method", "MethodContext", "MethodOptions", "Role", "build_method", "method_for", "method_options",
+]

@@ -1,9 +1,15 @@
-"""What a method is: a layout of experts per device, a rule that says which
-parameters are shared with the server, and the device's local procedure.
+"""What a method is: a layout of experts per device, a local procedure, and a server rule.
 
-Parameter names carry roles (``adapters.shared``, ``experts.private_0``, …), so
-aggregation, byte counting, checkpointing and export all follow from
-:meth:`Method.role_of`.
+* **layout** (:class:`~ondevice_moe.layout.Layout`, one per device): which
+  experts, of which kinds and roles, under which router;
+* **procedure** (:class:`Procedure`): the device's phases each round — which
+  parameters train on which split, and how often;
+* **server rule** (:class:`~ondevice_moe.federation.rules.ServerRule`): what
+  the server keeps, sends and how uploads combine.
+
+Parameter names carry roles (``adapters.shared``, ``experts.private_0``,
+``router``), so which tensors leave the device follows from
+:meth:`Method.role_of` and the method's :class:`Sharing` exceptions.
 """
 
 from __future__ import annotations
@@ -12,69 +18,107 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Literal
 
-from ondevice_moe.block_experts import BlockLayout
-from ondevice_moe.inject import ExpertLayout
+from pydantic import BaseModel, ConfigDict
+
+from ondevice_moe.federation.rules import ServerRule
+from ondevice_moe.layout import ExpertSizes, Layout, RouterSpec
 
 
 class Role(str, Enum):
-    """``shared`` tensors travel to the server and are averaged; ``private`` never leave the device."""
+    """``shared`` tensors travel to the server and are aggregated; ``private`` never leave the device."""
 
     SHARED = "shared"
     PRIVATE = "private"
 
 
-RouterUpdate = Literal["none", "joint", "bilevel"]
-Aggregation = Literal["mean", "inverse_frequency"]
+class MethodOptions(BaseModel):
+    """A method's options in a recipe entry; each method subclasses it.
+
+    ``label`` names the method's results (default: derived from the options),
+    so two entries of one method can stand side by side.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    label: str | None = None
+
+
+@dataclass(frozen=True)
+class MethodContext:
+    """What a method is built from besides its own options: the number of
+    devices, the recipe's expert sizes and router settings, and the
+    federation's weighting of device updates."""
+
+    num_users: int
+    sizes: ExpertSizes = field(default_factory=ExpertSizes)
+    router: RouterSpec = field(default_factory=RouterSpec)
+    weighting: str = "uniform"
+
+
+@dataclass(frozen=True)
+class Procedure:
+    """A device's local work each round.
+
+    ``experts`` phase: the experts (and task head) train on the ``train``
+    split every iteration. ``routers``: ``none`` (no learned router),
+    ``joint`` (routers train with the experts on the training loss: Hermes,
+    Local-MoE) or ``bilevel`` (CoMiGS Alg. 1: a router phase of
+    ``router_steps`` steps on the ``router_data`` split every τ iterations,
+    experts held fixed). ``full_finetune`` trains every weight of the base (FedFT).
+    """
+
+    routers: Literal["none", "joint", "bilevel"] = "none"
+    router_data: Literal["valid", "train"] = "valid"
+    full_finetune: bool = False
+
+
+@dataclass(frozen=True)
+class Sharing:
+    """Exceptions to "shared experts travel, private ones stay".
+
+    ``frozen_matrices`` are never trained, so never sent (FFA-LoRA freezes
+    ``lora_A``); ``private_matrices`` stay home even inside shared experts
+    (FedSA-LoRA keeps ``lora_B``); ``share_router`` sends routers too
+    (FedAvg-MoE); ``selected_only``: an expert no token chose this round stays
+    home (Hermes §4.3).
+    """
+
+    frozen_matrices: frozenset[str] = frozenset()
+    private_matrices: frozenset[str] = frozenset()
+    share_router: bool = False
+    selected_only: bool = False
 
 
 @dataclass(frozen=True)
 class Method:
     """A method of the harness, resolved for one recipe.
 
-    ``layouts[i]`` is user ``i``'s expert layout (``None``: no experts, the
-    pretrained model). ``router_update``: ``joint`` trains routers with the
-    experts on the training loss; ``bilevel`` alternates as CoMiGS Alg. 1.
-    ``router_data`` is ``valid`` (CoMiGS) or ``train`` (the ``-tr`` ablation).
-    ``frozen_matrices`` are never trained (FFA-LoRA freezes ``lora_A``);
-    ``private_matrices`` stay local even inside shared experts (FedSA-LoRA keeps
-    ``lora_B``). ``share_router``: the server averages routers too (FedAvg-MoE).
-    ``centralized``: one device holds every user's training data.
-
-    For classification (Hermes): ``layouts`` hold :class:`BlockLayout`s;
-    ``full_finetune`` trains every weight (FedFT); ``upload_selected_only``
-    sends only experts that routed at least one token in the round, with their
-    usage counts; ``aggregation="inverse_frequency"`` weighs each upload by
-    ``(h + ε)^(−α)`` (Hermes eq. 10–11), task heads by example counts (FedAvg).
+    ``layouts[i]`` is device ``i``'s layout (``None``: no experts — the
+    pretrained model, or full fine-tuning). ``centralized``: one device
+    holds every user's training data (an upper bound).
     """
 
     name: str
-    layouts: tuple[ExpertLayout | BlockLayout | None, ...]
-    router_update: RouterUpdate = "none"
-    router_data: Literal["valid", "train"] = "valid"
-    frozen_matrices: frozenset[str] = field(default_factory=frozenset)
-    private_matrices: frozenset[str] = field(default_factory=frozenset)
-    share_router: bool = False
+    layouts: tuple[Layout | None, ...]
+    procedure: Procedure = field(default_factory=Procedure)
+    server_rule: ServerRule = field(default_factory=ServerRule)
+    sharing: Sharing = field(default_factory=Sharing)
     centralized: bool = False
-    full_finetune: bool = False
-    upload_selected_only: bool = False
-    aggregation: Aggregation = "mean"
-    aggregation_alpha: float = 0.5
-    aggregation_epsilon: float = 1.0
 
     @property
     def trains(self) -> bool:
-        return self.full_finetune or any(layout is not None for layout in self.layouts)
+        return self.procedure.full_finetune or any(layout is not None for layout in self.layouts)
 
     def role_of(self, name: str) -> Role:
         """The role of a trainable parameter, from its name."""
         parts = name.split(".")
         if "router" in parts:
-            return Role.SHARED if self.share_router else Role.PRIVATE
+            return Role.SHARED if self.sharing.share_router else Role.PRIVATE
         if any(part.startswith("private") for part in parts):
             return Role.PRIVATE
-        if parts[-1] in self.private_matrices:
+        if parts[-1] in self.sharing.private_matrices:
             return Role.PRIVATE
-        if parts[-1] in self.frozen_matrices:
+        if parts[-1] in self.sharing.frozen_matrices:
             # Frozen matrices start identical on every device (same seed) and
             # never change, so there is nothing to send.
             return Role.PRIVATE
@@ -84,5 +128,10 @@ class Method:
         """Whether the local procedure updates this expert or router parameter."""
         parts = name.split(".")
         if "router" in parts:
-            return self.router_update != "none"
-        return parts[-1] not in self.frozen_matrices
+            return self.procedure.routers != "none"
+        return parts[-1] not in self.sharing.frozen_matrices
+
+
+def same_for_all(num_users: int, layout: Layout | None) -> tuple[Layout | None, ...]:
+    """The same layout on every device."""
+    return tuple(layout for _ in range(num_users))

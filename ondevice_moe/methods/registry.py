@@ -1,133 +1,103 @@
-"""The methods of the CoMiGS paper (§3.1, Table 2 and Table 5), in one harness.
+"""Every method of the harness, by name: its options schema and its builder.
 
-Every trained baseline holds two LoRA modules in each MLP, matching the
-trainable parameter count of CoMiGS-1G1S as the paper does; methods without
-routing mix them with fixed equal weights.
+Adding a method means adding its folder under ``methods/`` and one line here.
+A recipe's method entry is validated by the method's own options schema
+(:func:`method_options`); :func:`build_method` turns the options into a
+:class:`~ondevice_moe.methods.base.Method` for a recipe's devices.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from typing import Any
 
-from ondevice_moe.block_experts import BlockLayout
+from pydantic import ValidationError
+
 from ondevice_moe.errors import UserError
-from ondevice_moe.inject import ExpertLayout
-from ondevice_moe.methods.base import Method
-from ondevice_moe.methods.hermes import CLASSIFICATION_METHODS
+from ondevice_moe.methods.base import Method, MethodContext, MethodOptions
+from ondevice_moe.methods.comigs import baselines as comigs_baselines
+from ondevice_moe.methods.comigs.config import CoMiGSOptions, LoRABaselineOptions
+from ondevice_moe.methods.comigs.method import comigs
+from ondevice_moe.methods.hermes import baselines as hermes_baselines
+from ondevice_moe.methods.hermes.config import HermesBaselineOptions, HermesOptions
+from ondevice_moe.methods.hermes.method import hermes
+from ondevice_moe.methods.mixture.config import MixtureOptions
+from ondevice_moe.methods.mixture.method import mixture
 
-COMIGS_VARIANTS = ("1G1S", "2G", "2S", "1GXs")
-
-
-def _layout(base: ExpertLayout, attention: str, experts: tuple[str, ...], router: str) -> ExpertLayout:
-    return replace(base, attention_roles=(attention,), mlp_experts=experts, router=router)
-
-
-def _same_for_all(num_users: int, layout: ExpertLayout | None) -> tuple[ExpertLayout | None, ...]:
-    return tuple(layout for _ in range(num_users))
+LANGUAGE, CLASSIFICATION = "language-modelling", "classification"
 
 
-def pretrained(base: ExpertLayout, num_users: int, **_: object) -> Method:
-    """Lower bound: the frozen base model, no training."""
-    return Method("pretrained", _same_for_all(num_users, None))
+@dataclass(frozen=True)
+class MethodSpec:
+    """A method's options schema, its builder, the tasks it runs on, and the
+    recipe section (if any) whose keys give its family's shared defaults."""
+
+    options: type[MethodOptions]
+    build: Callable[[Any, MethodContext], Method]
+    tasks: frozenset[str]
+    defaults_section: str | None = None
 
 
-def local(base: ExpertLayout, num_users: int, **_: object) -> Method:
-    """Each user trains two private LoRA modules alone."""
-    return Method("local", _same_for_all(num_users, _layout(base, "private", ("private_0", "private_1"), "uniform")))
+_LM = frozenset({LANGUAGE})
+_ANY = frozenset({LANGUAGE, CLASSIFICATION})
 
-
-def fedavg(base: ExpertLayout, num_users: int, **_: object) -> Method:
-    """FedAvg (McMahan et al., 2017) of two LoRA modules."""
-    return Method("fedavg", _same_for_all(num_users, _layout(base, "shared", ("shared_0", "shared_1"), "uniform")))
-
-
-def local_moe(base: ExpertLayout, num_users: int, **_: object) -> Method:
-    """Two private experts and a router trained jointly on the training loss (Table 5, II)."""
-    layout = _layout(base, "private", ("private_0", "private_1"), "topk")
-    return Method("local-moe", _same_for_all(num_users, layout), router_update="joint")
-
-
-def fedavg_moe(base: ExpertLayout, num_users: int, **_: object) -> Method:
-    """FedAvg of a whole two-expert MoE, router included (Table 5, II)."""
-    layout = _layout(base, "shared", ("shared_0", "shared_1"), "topk")
-    return Method("fedavg-moe", _same_for_all(num_users, layout), router_update="joint", share_router=True)
-
-
-def ffa_lora(base: ExpertLayout, num_users: int, **_: object) -> Method:
-    """FFA-LoRA (Sun et al., 2024): A frozen at its shared random init, B averaged."""
-    method = fedavg(base, num_users)
-    return replace(method, name="ffa-lora", frozen_matrices=frozenset({"lora_A"}))
-
-
-def fedsa_lora(base: ExpertLayout, num_users: int, **_: object) -> Method:
-    """FedSA-LoRA (Guo et al., 2024): A averaged, B kept on the device."""
-    method = fedavg(base, num_users)
-    return replace(method, name="fedsa-lora", private_matrices=frozenset({"lora_B"}))
-
-
-def centralized(base: ExpertLayout, num_users: int, **_: object) -> Method:
-    """Upper bound: one model trained on the pooled training data of all users."""
-    method = fedavg(base, 1)
-    return replace(method, name="centralized", centralized=True)
-
-
-def comigs(
-    base: ExpertLayout,
-    num_users: int,
-    variant: str = "1G1S",
-    experts: list[int] | None = None,
-    router_data: str = "valid",
-    **_: object,
-) -> Method:
-    """CoMiGS (Alg. 1): generalists averaged by the server, specialists and routers local.
-
-    ``1G1S``: one generalist and one specialist; ``2G``/``2S``: two generalists /
-    two specialists (ablations); ``1GXs``: one generalist and ``experts[i] - 1``
-    specialists on user ``i`` (§3.2). Attention LoRA is shared in every variant.
-    """
-    fixed = {"1G1S": ("shared_0", "private_0"), "2G": ("shared_0", "shared_1"), "2S": ("private_0", "private_1")}
-    if variant in fixed:
-        layouts = _same_for_all(num_users, _layout(base, "shared", fixed[variant], "topk"))
-    elif variant == "1GXs":
-        if not experts or len(experts) != num_users or min(experts) < 1:
-            raise UserError(
-                f"comigs variant 1GXs needs `experts`: one count >= 1 per user ({num_users} users), got {experts}",
-                "set e.g. `experts: [2, 4, 4, 2]` in the method entry",
-            )
-        layouts = tuple(
-            _layout(base, "shared", ("shared_0", *(f"private_{j}" for j in range(count - 1))), "topk")
-            for count in experts
-        )
-    else:
-        raise UserError(f"unknown comigs variant '{variant}'", f"use one of {list(COMIGS_VARIANTS)}")
-    suffix = "-tr" if router_data == "train" else ""
-    return Method(f"comigs-{variant}{suffix}", layouts, router_update="bilevel", router_data=router_data)
-
-
-LM_METHODS: dict[str, Callable[..., Method]] = {
-    "pretrained": pretrained,
-    "local": local,
-    "fedavg": fedavg,
-    "local-moe": local_moe,
-    "fedavg-moe": fedavg_moe,
-    "ffa-lora": ffa_lora,
-    "fedsa-lora": fedsa_lora,
-    "centralized": centralized,
-    "comigs": comigs,
+METHODS: dict[str, MethodSpec] = {
+    "pretrained": MethodSpec(LoRABaselineOptions, comigs_baselines.pretrained, _ANY, "experts"),
+    "local": MethodSpec(LoRABaselineOptions, comigs_baselines.local, _LM, "experts"),
+    "fedavg": MethodSpec(LoRABaselineOptions, comigs_baselines.fedavg, _LM, "experts"),
+    "local-moe": MethodSpec(LoRABaselineOptions, comigs_baselines.local_moe, _LM, "experts"),
+    "fedavg-moe": MethodSpec(LoRABaselineOptions, comigs_baselines.fedavg_moe, _LM, "experts"),
+    "ffa-lora": MethodSpec(LoRABaselineOptions, comigs_baselines.ffa_lora, _LM, "experts"),
+    "fedsa-lora": MethodSpec(LoRABaselineOptions, comigs_baselines.fedsa_lora, _LM, "experts"),
+    "centralized": MethodSpec(LoRABaselineOptions, comigs_baselines.centralized, _LM, "experts"),
+    "comigs": MethodSpec(CoMiGSOptions, comigs, _LM, "experts"),
+    "hermes": MethodSpec(HermesOptions, hermes, _ANY, "hermes"),
+    "fed-ft": MethodSpec(HermesBaselineOptions, hermes_baselines.fed_ft, _ANY, "hermes"),
+    "fed-lora": MethodSpec(HermesBaselineOptions, hermes_baselines.single_kind("lora"), _ANY, "hermes"),
+    "fed-adapter": MethodSpec(HermesBaselineOptions, hermes_baselines.single_kind("adapter"), _ANY, "hermes"),
+    "fed-prefix": MethodSpec(HermesBaselineOptions, hermes_baselines.single_kind("prefix"), _ANY, "hermes"),
+    "fed-unipelt": MethodSpec(HermesBaselineOptions, hermes_baselines.fed_unipelt, _ANY, "hermes"),
+    "mixture": MethodSpec(MixtureOptions, mixture, _ANY),
 }
 
 
-METHODS: dict[str, Callable[..., Method]] = {**LM_METHODS, **CLASSIFICATION_METHODS}
-
-
-def build_method(name: str, base: ExpertLayout | BlockLayout, num_users: int, **options: object) -> Method:
-    """Resolve a recipe's method entry for ``num_users`` users.
-
-    ``base`` carries the recipe's expert hyper-parameters: an
-    :class:`ExpertLayout` for language-modelling methods, a
-    :class:`BlockLayout` for classification methods.
-    """
+def method_spec(name: str) -> MethodSpec:
     if name not in METHODS:
-        raise UserError(f"unknown method '{name}'", f"use one of {sorted(METHODS)}")
-    return METHODS[name](base, num_users, **options)
+        raise UserError(f"unknown method '{name}'", f"use one of {', '.join(METHODS)}")
+    return METHODS[name]
+
+
+def method_options(name: str, raw: dict[str, Any], defaults: dict[str, Any] | None = None) -> MethodOptions:
+    """Validate a method entry's options with the method's own schema.
+
+    ``defaults`` (the family's recipe section) fill the keys the entry does not
+    set and the schema takes; an option the method does not take is an error
+    naming the method and its valid options.
+    """
+    spec = method_spec(name)
+    fields = spec.options.model_fields
+    merged = {**{k: v for k, v in (defaults or {}).items() if k in fields}, **raw}
+    try:
+        return spec.options.model_validate(merged)
+    except ValidationError as error:
+        problems = []
+        for item in error.errors():
+            key = ".".join(str(part) for part in item["loc"])
+            if item["type"] == "extra_forbidden":
+                problems.append(f"'{key}' is not an option of method '{name}'")
+            else:
+                problems.append(f"{key}: {item['msg']} (got {item.get('input')!r})")
+        raise UserError(f"method '{name}': " + "; ".join(problems),
+                        f"valid options of '{name}': {', '.join(fields)}") from None
+
+
+def build_method(name: str, options: MethodOptions, context: MethodContext) -> Method:
+    """The method ``name`` with validated ``options``, resolved for ``context.num_users`` devices."""
+    method = method_spec(name).build(options, context)
+    return replace(method, name=options.label) if options.label else method
+
+
+def method_for(name: str, num_users: int, **options: Any) -> Method:
+    """Build method ``name`` for ``num_users`` devices from keyword options (for scripts and tests)."""
+    return build_method(name, method_options(name, options), MethodContext(num_users))

@@ -31,7 +31,11 @@ from ondevice_moe.routing.topk import top_k_softmax
 
 
 class HermesRouter(nn.Module):
-    """Routes each token of one layer over that layer's experts (e.g. lora, adapter, prefix)."""
+    """Routes each token of one layer over that layer's experts (e.g. lora, adapter, prefix).
+
+    ``expert_params`` (set when the experts are attached) maps each expert's
+    name to its parameters, for the gradient view and the upload of used experts.
+    """
 
     def __init__(
         self,
@@ -62,7 +66,7 @@ class HermesRouter(nn.Module):
         self.register_buffer("bias", torch.zeros(len(experts)))
         self.register_buffer("gradient_score", torch.full((len(experts),), 1.0 / len(experts)))
         self.register_buffer("usage", torch.zeros(len(experts)))
-        self.current: torch.Tensor | None = None
+        self.expert_params: dict[str, list[nn.Parameter]] = {}
         self._batch_counts: torch.Tensor | None = None
 
     def forward(self, hidden: torch.Tensor) -> Routing:
@@ -73,11 +77,10 @@ class HermesRouter(nn.Module):
             scores = self.fused_scores(hidden)
             weights, selected = top_k_softmax(scores, self.top_k, self.temperature)
             counts = selected.reshape(-1, len(self.experts)).sum(dim=0).detach()
-        self.current = weights.to(hidden.dtype)
         if self.training:
             self._batch_counts = counts
             self.usage += counts
-        return Routing(weights=self.current, balance_loss=hidden.new_zeros(()))
+        return Routing(weights=weights.to(hidden.dtype), balance_loss=hidden.new_zeros(()))
 
     def fused_scores(self, hidden: torch.Tensor) -> torch.Tensor:
         """``r = γ·s_f + (1 − γ)·s_g + b`` (Hermes eq. 7), per token."""
@@ -88,14 +91,11 @@ class HermesRouter(nn.Module):
             fused = fused + self.gamma * feature
         return fused
 
-    def slot(self, expert: str) -> ExpertGate:
-        return ExpertGate(self, self.experts.index(expert))
-
     @torch.no_grad()
     def after_backward(self) -> None:
         """Drop the gradients of experts no token selected (only selected experts are
         updated, §4.1), then feed the gradient norms to the gradient view."""
-        expert_params: dict[str, list[nn.Parameter]] = getattr(self, "expert_params", {})
+        expert_params = self.expert_params
         if self._batch_counts is None or not expert_params:
             return
         norms = torch.zeros(len(self.experts))
@@ -125,18 +125,3 @@ class HermesRouter(nn.Module):
             return
         self.gradient_score.mul_(self.gradient_ema).add_((1 - self.gradient_ema) * gradient_norms / total)
 
-
-class ExpertGate:
-    """Callable giving one expert's per-token routing weight, shape ``(…, 1)``.
-
-    Held by expert sites as a plain attribute (not a submodule), so the router
-    stays registered once, under its block.
-    """
-
-    def __init__(self, router: HermesRouter, index: int) -> None:
-        self.router = router
-        self.index = index
-
-    def __call__(self) -> torch.Tensor | None:
-        current = self.router.current
-        return None if current is None else current[..., self.index : self.index + 1]

@@ -1,11 +1,11 @@
-"""Hermes experts (LoRA, Adapter, Prefix) in every block under one router."""
+"""One expert system: every kind, in every role, under every router, on GPT-2, LLaMA and BERT."""
 
 import pytest
 import torch
 from transformers import BertConfig, BertForSequenceClassification
 
-from ondevice_moe.block_experts import BlockLayout, attach_block_experts, block_routers
 from ondevice_moe.errors import UserError
+from ondevice_moe.layout import ExpertSpec, Layout, RouterSpec, attach_layout, routing_sites
 from ondevice_moe.models.tiny import tiny_gpt2, tiny_llama
 from ondevice_moe.routing.hermes import HermesRouter
 from ondevice_moe.routing.topk import top_k_softmax
@@ -26,26 +26,60 @@ def _logits(model, tokens):
     return model(input_ids=tokens).logits
 
 
+def _layout(kinds, router="none", role="shared", mixing="block", top_k=2) -> Layout:
+    return Layout(experts=tuple(ExpertSpec(kind, role) for kind in kinds), router=RouterSpec(router, top_k=top_k),
+                  mixing=mixing)
+
+
+def _close_prefixes(model, weight: float, tokens) -> None:
+    """Gate every prefix expert to a fixed weight (a fresh prefix is not a no-op; gated to 0 it must be)."""
+    for attention in (m for m in model.modules() if hasattr(m, "prefix_gates")):
+        attention.prefix_gates = {name: (lambda: torch.full((*tokens.shape, 1), weight)) for name in attention.prefix}
+
+
 @pytest.mark.parametrize("kinds", [("lora",), ("adapter",), ("prefix",), ("lora", "adapter", "prefix")])
 def test_fresh_experts_leave_outputs_unchanged(any_model, tokens, kinds):
     reference = _logits(any_model, tokens)
-    if "prefix" in kinds:
-        # A fresh prefix is not a no-op; gated to weight 0 it must be.
-        layout = BlockLayout(experts=kinds, router="none" if len(kinds) == 1 else "hermes")
-        model = attach_block_experts(any_model, layout, seed=0).eval()
-        for attention in (m for m in model.modules() if hasattr(m, "prefix")):
-            attention.prefix_gate = lambda: torch.zeros(*tokens.shape, 1)
-    else:
-        layout = BlockLayout(experts=kinds, router="none" if len(kinds) == 1 else "hermes")
-        model = attach_block_experts(any_model, layout, seed=0).eval()
+    model = attach_layout(any_model, _layout(kinds, "none" if len(kinds) == 1 else "hermes"), seed=0).eval()
+    _close_prefixes(model, 0.0, tokens)
     torch.testing.assert_close(_logits(model, tokens), reference, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("router", ["none", "uniform", "token-topk", "hermes", "sigmoid"])
+@pytest.mark.parametrize("role", ["shared", "private"])
+@pytest.mark.parametrize("kind", ["lora", "adapter", "prefix"])
+def test_every_kind_in_every_role_under_every_router_starts_as_the_base(any_model, tokens, kind, role, router):
+    reference = _logits(any_model, tokens)
+    layout = _layout((kind, kind), router, role)
+    model = attach_layout(any_model, layout, seed=0, user=1).eval()
+    _close_prefixes(model, 0.0, tokens)
+    torch.testing.assert_close(_logits(model, tokens), reference, rtol=0, atol=1e-5)
+    names = {n for n, _ in model.named_parameters()}
+    assert any(f".{role}_1." in n for n in names), "expert names carry the role"
+
+
+@pytest.mark.parametrize("router", ["uniform", "token-topk", "hermes"])
+@pytest.mark.parametrize("role", ["shared", "private"])
+@pytest.mark.parametrize("kinds", [("lora", "lora"), ("adapter", "adapter"), ("adapter", "lora")])
+def test_mlp_mixtures_of_any_kind_start_as_the_base(tiny_model, tokens, kinds, role, router):
+    reference = _logits(tiny_model, tokens)
+    model = attach_layout(tiny_model, _layout(kinds, router, role, mixing="mlp"), seed=0).eval()
+    torch.testing.assert_close(_logits(model, tokens), reference, rtol=0, atol=1e-5)
+    assert len(routing_sites(model)) == tiny_model.config.num_hidden_layers
+
+
+def test_prefix_in_the_mlp_mixture_and_mlp_mixture_on_bert_are_refused(any_model):
+    with pytest.raises(UserError, match="mixing: block"):
+        _layout(("prefix", "lora"), "token-topk", mixing="mlp")
+    if any_model.config.model_type == "bert":
+        with pytest.raises(UserError, match="mixing: block"):
+            attach_layout(any_model, _layout(("lora", "lora"), "token-topk", mixing="mlp"), seed=0)
+
+
 def test_prefix_weight_one_equals_plain_prefix_attention(any_model, tokens):
-    plain = attach_block_experts(any_model, BlockLayout(experts=("prefix",), router="none"), seed=0).eval()
+    plain = attach_layout(any_model, _layout(("prefix",)), seed=0).eval()
     expected = _logits(plain, tokens)
-    for attention in (m for m in plain.modules() if hasattr(m, "prefix")):
-        attention.prefix_gate = lambda: torch.ones(*tokens.shape, 1)
+    _close_prefixes(plain, 1.0, tokens)
     torch.testing.assert_close(_logits(plain, tokens), expected)
     assert not torch.allclose(expected, _logits(any_model, tokens)), "a plain prefix must change the output"
 
@@ -98,8 +132,8 @@ def test_gradient_view_is_an_ema_of_normalised_norms():
 
 
 def test_router_sits_on_every_block_and_sees_its_input(any_model, tokens):
-    model = attach_block_experts(any_model, BlockLayout(), seed=0)
-    routers = block_routers(model)
+    model = attach_layout(any_model, _layout(("lora", "adapter", "prefix"), "hermes"), seed=0)
+    routers = routing_sites(model)
     assert len(routers) == any_model.config.num_hidden_layers
     _logits(model, tokens)
     assert all(r.current is not None and r.current.shape[-1] == 3 for r in routers)
@@ -107,6 +141,6 @@ def test_router_sits_on_every_block_and_sees_its_input(any_model, tokens):
 
 def test_unknown_kind_and_oversized_k_are_refused():
     with pytest.raises(UserError, match="unknown expert kind"):
-        BlockLayout(experts=("lora", "ia3"))
+        _layout(("lora", "ia3"))
     with pytest.raises(UserError, match="top_k = 3 but each block holds 2"):
-        BlockLayout(experts=("lora", "adapter"), top_k=3)
+        _layout(("lora", "adapter"), "hermes", top_k=3)

@@ -1,0 +1,414 @@
+"""One expert system: which experts (kind, role) sit where in a model, under which router.
+
+A :class:`Layout` lists a device's *routed experts* — each a kind
+(``lora``, ``adapter``, ``prefix``) and a role (``shared``: aggregated by the
+server; ``private``: never leaves the device) — the *router* that mixes them,
+and where the mixing happens:
+
+* ``mixing="mlp"`` — CoMiGS §2 / App. B.1.2: the router reads the MLP input
+  and the block's MLP output is ``Σ_j w_j E_j(x)``, each expert being the MLP
+  with its own LoRA on every MLP linear layer, or the MLP followed by its own
+  bottleneck adapter. :class:`~ondevice_moe.mixture.MixtureMLP` computes it
+  exactly, running the frozen MLP once.
+* ``mixing="block"`` — Hermes §4.2: the router reads the block input (eq. 4)
+  and each expert adds its residual where it naturally sits, scaled by the
+  token's weight for it (eq. 9): LoRA on the attention query and value
+  projections, an adapter after the FFN, a prefix inside attention (one
+  gated SDPA call, :mod:`ondevice_moe.experts.prefix`).
+
+Independently of the routed experts, ``attention_lora`` puts one always-on
+LoRA of the given role on every attention projection (CoMiGS App. B.1.2).
+
+Parameter names carry the expert's name, ``<role>_<i>`` (``shared_0``,
+``private_1``; the attention LoRA is plainly ``shared`` or ``private``), and
+``router`` for routers, so roles follow from names alone
+(:meth:`ondevice_moe.methods.base.Method.role_of`).
+
+:func:`attach_layout` returns a *new* module tree that shares the frozen base
+weights with the model it was given, so one process can hold several layouts
+(e.g. CoMiGS-1GXs users with different expert counts) over one base model.
+"""
+
+from __future__ import annotations
+
+import copy
+import zlib
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from torch import nn
+
+from ondevice_moe.errors import UserError
+from ondevice_moe.experts import LoRA, LoRAAdaptedLinear, linear_features
+from ondevice_moe.experts.adapter import Adapter, AdapterAfter
+from ondevice_moe.experts.prefix import Prefix, register_prefix_attention
+from ondevice_moe.mixture import MixedForward, MixtureMLP, gpt2_mixed_forward, llama_mixed_forward
+from ondevice_moe.routing import TokenTopKRouter, UniformRouter
+from ondevice_moe.routing.block import BlockRouter, route_block_input
+from ondevice_moe.routing.hermes import HermesRouter
+from ondevice_moe.routing.routers import BalanceForm
+
+ExpertKind = Literal["lora", "adapter", "prefix"]
+RoleName = Literal["shared", "private"]
+RouterKind = Literal["none", "uniform", "token-topk", "hermes", "sigmoid"]
+Mixing = Literal["mlp", "block"]
+
+EXPERT_KINDS: tuple[str, ...] = ("lora", "adapter", "prefix")
+ROUTER_KINDS: tuple[str, ...] = ("none", "uniform", "token-topk", "hermes", "sigmoid")
+
+
+# -- where experts go, per architecture ------------------------------------------
+
+
+@dataclass(frozen=True)
+class Sites:
+    """Module paths of one model family, relative to a transformer block.
+
+    ``attention_linears``: every attention projection (the always-on attention
+    LoRA); ``routed_lora``: the projections a routed LoRA expert adapts under
+    block mixing (Hermes: query and value); ``mlp`` / ``mlp_linears`` /
+    ``mixed_forward``: the MLP and its exact mixture (``None`` where the
+    architecture has no separable MLP module); ``ffn_output``: where adapter
+    experts attach under block mixing.
+    """
+
+    blocks: tuple[str, ...]
+    attention: str
+    attention_linears: tuple[str, ...]
+    routed_lora: tuple[str, ...]
+    ffn_output: str
+    mlp: str | None = None
+    mlp_linears: tuple[str, ...] = ()
+    mixed_forward: MixedForward | None = None
+
+
+_BERT_LIKE = {
+    "attention": "attention.self",
+    "attention_linears": ("attention.self.query", "attention.self.key", "attention.self.value",
+                          "attention.output.dense"),
+    "routed_lora": ("attention.self.query", "attention.self.value"),
+    "ffn_output": "output.dense",
+}
+SITES: dict[str, Sites] = {
+    "gpt2": Sites(("transformer.h",), "attn", ("attn.c_attn", "attn.c_proj"), ("attn.c_attn",), "mlp",
+                  "mlp", ("c_fc", "c_proj"), gpt2_mixed_forward),
+    "llama": Sites(("model.layers",), "self_attn",
+                   ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"),
+                   ("self_attn.q_proj", "self_attn.v_proj"), "mlp",
+                   "mlp", ("gate_proj", "up_proj", "down_proj"), llama_mixed_forward),
+    "bert": Sites(("bert.encoder.layer", "encoder.layer"), **_BERT_LIKE),
+    "roberta": Sites(("roberta.encoder.layer", "encoder.layer"), **_BERT_LIKE),
+}
+
+
+def sites_of(model: nn.Module) -> tuple[Sites, nn.ModuleList]:
+    """The sites of ``model``'s architecture and its list of transformer blocks."""
+    model_type = getattr(model.config, "model_type", None)
+    sites = SITES.get(model_type)
+    if sites is None:
+        raise UserError(f"model type {model_type!r} has no expert sites", f"use one of {sorted(SITES)}")
+    for path in sites.blocks:
+        try:
+            return sites, model.get_submodule(path)
+        except AttributeError:
+            continue
+    raise UserError(f"cannot find the transformer blocks of this {model_type} model", "load it with a standard class")
+
+
+# -- the layout ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ExpertSpec:
+    """One routed expert: its kind and its role."""
+
+    kind: ExpertKind
+    role: RoleName
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    """How a site's experts mix.
+
+    ``none``: every expert always on at weight 1 (single-PEFT baselines);
+    ``uniform``: fixed equal weights; ``token-topk``: CoMiGS's linear gate,
+    softmax, top-k renormalised, with a balance loss (``balance`` form, eq. 6–7);
+    ``hermes``: the dual-view router of Hermes eq. (4)–(8) (``use_feature`` /
+    ``use_gradient`` switch views off for the ablations); ``sigmoid``:
+    FedUniPELT's dense sigmoid gates.
+    """
+
+    kind: RouterKind = "token-topk"
+    top_k: int = 2
+    balance: BalanceForm = "uniform"
+    temperature: float = 0.1
+    gamma: float = 0.5
+    bias_rate: float = 0.05
+    gradient_ema: float = 0.9
+    use_feature: bool = True
+    use_gradient: bool = True
+
+
+@dataclass(frozen=True)
+class ExpertSizes:
+    """Hyper-parameters of the expert kinds (CoMiGS App. B.1.2; Hermes §5.1)."""
+
+    lora_rank: int = 8
+    lora_alpha: float = 16.0
+    rank_stabilised: bool = True  # CoMiGS eq. (5) γ = α/√r; False gives Hu et al.'s α/r (Hermes)
+    adapter_rank: int = 16
+    prefix_length: int = 16
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What one device holds at every block (see the module docstring)."""
+
+    experts: tuple[ExpertSpec, ...] = ()
+    router: RouterSpec = field(default_factory=RouterSpec)
+    mixing: Mixing = "mlp"
+    attention_lora: RoleName | None = None
+    sizes: ExpertSizes = field(default_factory=ExpertSizes)
+
+    def __post_init__(self) -> None:
+        kinds = [e.kind for e in self.experts]
+        unknown = sorted(set(kinds) - set(EXPERT_KINDS))
+        if unknown:
+            raise UserError(f"unknown expert kind(s) {unknown}", f"use some of {list(EXPERT_KINDS)}")
+        # A token top-k router takes min(k, n) experts (CoMiGS-1GXs devices hold 1 to n);
+        # Hermes's k is a choice of the method (Fig. 3a), so a k above n is a mistake.
+        if self.router.kind == "hermes" and self.experts and not 1 <= self.router.top_k <= len(self.experts):
+            raise UserError(
+                f"top_k = {self.router.top_k} but each block holds {len(self.experts)} expert(s) {kinds}",
+                f"set top_k between 1 and {len(self.experts)}",
+            )
+        if self.mixing == "mlp" and "prefix" in kinds:
+            raise UserError("prefix experts sit inside attention, not in the MLP mixture",
+                            "use `mixing: block` for layouts with prefix experts")
+        if self.mixing == "mlp" and self.router.kind in ("none", "sigmoid") and len(self.experts) > 1:
+            raise UserError(f"the exact MLP mixture needs weights that sum to one; router '{self.router.kind}' "
+                            "does not give them", "use router uniform, token-topk or hermes, or `mixing: block`")
+
+    @property
+    def expert_names(self) -> list[str]:
+        """``<role>_<i>``, numbered within each role in layout order."""
+        counts = {"shared": 0, "private": 0}
+        names = []
+        for expert in self.experts:
+            names.append(f"{expert.role}_{counts[expert.role]}")
+            counts[expert.role] += 1
+        return names
+
+    @property
+    def uses_prefix(self) -> bool:
+        return any(e.kind == "prefix" for e in self.experts)
+
+
+def lora_experts(roles: tuple[RoleName, ...]) -> tuple[ExpertSpec, ...]:
+    """LoRA experts of the given roles, in order."""
+    return tuple(ExpertSpec("lora", role) for role in roles)
+
+
+# -- attaching a layout ---------------------------------------------------------------
+
+
+def expert_generator(seed: int, *parts: object) -> torch.Generator:
+    """A generator whose seed depends only on ``seed`` and the expert's identity."""
+    key = ":".join(str(p) for p in (seed, *parts))
+    return torch.Generator().manual_seed(zlib.crc32(key.encode()))
+
+
+def frozen_copy(base_model: nn.Module, own: tuple[str, ...] = ()) -> nn.Module:
+    """A structural copy of ``base_model`` that shares its frozen weights.
+
+    Parameters under the module paths in ``own`` (e.g. a classification head
+    that each device trains) are copied instead, so training them never
+    touches the shared base. Every parameter of the copy starts frozen.
+    """
+    shared = {
+        id(tensor): tensor
+        for name, tensor in (*base_model.named_parameters(), *base_model.named_buffers())
+        if not any(name == path or name.startswith(path + ".") for path in own)
+    }
+    model = copy.deepcopy(base_model, memo=shared)
+    model.requires_grad_(False)
+    return model
+
+
+def attach_layout(base_model: nn.Module, layout: Layout, *, seed: int, user: int = 0,
+                  own: tuple[str, ...] = ()) -> nn.Module:
+    """A copy of ``base_model`` (sharing its frozen weights, except the modules in
+    ``own``) with ``layout``'s experts and routers in every block.
+
+    Shared experts start identical on every device (their initialisation
+    depends on the seed and the expert's place only); private experts differ per ``user``.
+    """
+    model = frozen_copy(base_model, own)
+    sites, blocks = sites_of(model)
+    if layout.uses_prefix:
+        _use_prefix_attention(model)
+    builder = _ExpertBuilder(layout, model.config, seed, user)
+    for index, block in enumerate(blocks):
+        if layout.attention_lora is not None:
+            for path in sites.attention_linears:
+                _add_lora(block, path, layout.attention_lora, builder.lora(block, path, index, layout.attention_lora))
+        if not layout.experts:
+            continue
+        if layout.mixing == "mlp":
+            _attach_mlp_mixture(block, sites, layout, builder, index, model.config.hidden_size)
+        else:
+            _attach_block_mixture(block, sites, layout, builder, index, model.config)
+    return model
+
+
+@dataclass
+class _ExpertBuilder:
+    """Makes expert modules with reproducible initialisations."""
+
+    layout: Layout
+    config: object
+    seed: int
+    user: int
+
+    def _generator(self, index: int, where: str, name: str) -> torch.Generator:
+        parts: tuple[object, ...] = (name,) if name.startswith("shared") else (name, "user", self.user)
+        return expert_generator(self.seed, index, where, *parts)
+
+    def lora(self, block: nn.Module, path: str, index: int, name: str) -> LoRA:
+        sizes = self.layout.sizes
+        layer = block.get_submodule(path)
+        base = layer.base if isinstance(layer, LoRAAdaptedLinear) else layer
+        return LoRA(*linear_features(base), sizes.lora_rank, sizes.lora_alpha, self._generator(index, path, name),
+                    rank_stabilised=sizes.rank_stabilised)
+
+    def adapter(self, index: int, where: str, name: str) -> Adapter:
+        return Adapter(self.config.hidden_size, self.layout.sizes.adapter_rank, self._generator(index, where, name))
+
+    def prefix(self, index: int, name: str) -> Prefix:
+        config = self.config
+        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return Prefix(heads, self.layout.sizes.prefix_length, head_dim, self._generator(index, "prefix", name))
+
+
+def _add_lora(block: nn.Module, path: str, name: str, lora: LoRA, gate=None) -> None:
+    parent_path, _, leaf = path.rpartition(".")
+    parent = block.get_submodule(parent_path) if parent_path else block
+    layer = getattr(parent, leaf)
+    if not isinstance(layer, LoRAAdaptedLinear):
+        layer = LoRAAdaptedLinear(layer, {})
+        setattr(parent, leaf, layer)
+    layer.add(name, lora, gate)
+
+
+def _make_router(layout: Layout, hidden_size: int) -> nn.Module:
+    spec, names = layout.router, layout.expert_names
+    if spec.kind in ("hermes", "sigmoid"):
+        return HermesRouter(hidden_size, tuple(names), min(spec.top_k, len(names)) if spec.kind == "hermes"
+                            else len(names), spec.temperature, spec.gamma, spec.bias_rate, spec.gradient_ema,
+                            spec.use_feature, spec.use_gradient, "sigmoid" if spec.kind == "sigmoid" else "hermes")
+    if spec.kind == "token-topk" and len(names) > 1:
+        return TokenTopKRouter(hidden_size, len(names), min(spec.top_k, len(names)), spec.balance)
+    return UniformRouter(len(names))
+
+
+def _attach_mlp_mixture(block: nn.Module, sites: Sites, layout: Layout, builder: _ExpertBuilder, index: int,
+                        hidden_size: int) -> None:
+    """CoMiGS: the block's MLP becomes an exact router-weighted mixture of expert MLPs."""
+    if sites.mlp is None or sites.mixed_forward is None:
+        raise UserError("this architecture has no separable MLP for the exact CoMiGS mixture",
+                        "use `mixing: block` (experts gated where they sit) on BERT/RoBERTa")
+    mlp = block.get_submodule(sites.mlp)
+    experts: dict[str, nn.Module] = {}
+    for spec, name in zip(layout.experts, layout.expert_names, strict=True):
+        if spec.kind == "adapter":
+            experts[name] = builder.adapter(index, sites.mlp, name)
+        else:
+            experts[name] = nn.ModuleDict({
+                linear: builder.lora(mlp, linear, index, name) for linear in sites.mlp_linears})
+    router = _make_router(layout, hidden_size)
+    _register_expert_params(router, experts)
+    setattr(block, sites.mlp, MixtureMLP(mlp, experts, router, sites.mixed_forward))
+
+
+def _attach_block_mixture(block: nn.Module, sites: Sites, layout: Layout, builder: _ExpertBuilder, index: int,
+                          config) -> None:
+    """Hermes: one router per block on its input; each expert's residual gated where it sits."""
+    names = layout.expert_names
+    router = BlockRouter(_make_router(layout, config.hidden_size), names) if layout.router.kind != "none" else None
+    expert_params: dict[str, list[nn.Parameter]] = {}
+    for spec, name in zip(layout.experts, names, strict=True):
+        gate = router.gate(name) if router is not None else None
+        modules: list[nn.Module] = []
+        if spec.kind == "lora":
+            for path in sites.routed_lora:
+                lora = builder.lora(block, path, index, name)
+                _add_lora(block, path, name, lora, gate)
+                modules.append(lora)
+        elif spec.kind == "adapter":
+            adapter = builder.adapter(index, sites.ffn_output, name)
+            _add_adapter(block, sites.ffn_output, name, adapter, gate)
+            modules.append(adapter)
+        else:
+            attention = block.get_submodule(sites.attention)
+            if not hasattr(attention, "prefix"):
+                attention.prefix = nn.ModuleDict()
+                attention.prefix_gates = {}
+            prefix = builder.prefix(index, name)
+            attention.prefix[name] = prefix
+            if gate is not None:
+                attention.prefix_gates[name] = gate
+            modules.append(prefix)
+        expert_params[name] = [p for module in modules for p in module.parameters()]
+    if router is not None:
+        block.router = router
+        if isinstance(router.router, HermesRouter):
+            router.router.expert_params = expert_params
+        block.register_forward_pre_hook(route_block_input, with_kwargs=True)
+
+
+def _add_adapter(block: nn.Module, path: str, name: str, adapter: Adapter, gate) -> None:
+    parent_path, _, leaf = path.rpartition(".")
+    parent = block.get_submodule(parent_path) if parent_path else block
+    layer = getattr(parent, leaf)
+    if not isinstance(layer, AdapterAfter):
+        layer = AdapterAfter(layer, {})
+        setattr(parent, leaf, layer)
+    layer.add(name, adapter, gate)
+
+
+def _register_expert_params(router: nn.Module, experts: dict[str, nn.Module]) -> None:
+    if isinstance(router, HermesRouter):
+        router.expert_params = {name: list(expert.parameters()) for name, expert in experts.items()}
+
+
+def _use_prefix_attention(model: nn.Module) -> None:
+    name = register_prefix_attention()
+    try:
+        model.set_attn_implementation(name)
+    except (ValueError, AttributeError) as error:
+        raise UserError(
+            f"prefix experts need a model whose attention takes registered attention functions; "
+            f"{type(model).__name__} does not ({error})",
+            "drop `prefix` from the expert kinds, or use a BERT/RoBERTa, GPT-2 or LLaMA model",
+        ) from None
+
+
+# -- finding things in an adapted model ------------------------------------------------
+
+
+def routing_sites(model: nn.Module) -> list[MixtureMLP | BlockRouter]:
+    """The model's routing sites (MLP mixtures and block routers), in depth order."""
+    return [m for m in model.modules() if isinstance(m, MixtureMLP | BlockRouter)]
+
+
+def hermes_routers(model: nn.Module) -> list[HermesRouter]:
+    """The Hermes routers of a model (they keep gradient views, biases and usage counts)."""
+    return [m for m in model.modules() if isinstance(m, HermesRouter)]
+
+
+def total_balance_loss(model: nn.Module) -> torch.Tensor | None:
+    """Mean balance term over the model's routing sites after a forward pass."""
+    losses = [s.last_balance_loss for s in routing_sites(model) if s.last_balance_loss is not None]
+    return torch.stack(losses).mean() if losses else None

@@ -1,0 +1,66 @@
+"""The baselines of CoMiGS Table 2 and Table 5 (II).
+
+Every trained baseline holds two LoRA modules in each MLP, matching the
+trainable parameter count of CoMiGS-1G1S as the paper does; methods without
+routing mix them with fixed equal weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ondevice_moe.federation.rules import ServerRule
+from ondevice_moe.layout import lora_experts
+from ondevice_moe.methods.base import Method, MethodContext, Procedure, Sharing, same_for_all
+from ondevice_moe.methods.comigs.config import LoRASizes
+from ondevice_moe.methods.comigs.method import lora_layout
+
+PRIVATE_PAIR = lora_experts(("private", "private"))
+SHARED_PAIR = lora_experts(("shared", "shared"))
+
+
+def pretrained(options: LoRASizes, context: MethodContext) -> Method:
+    """Lower bound: the frozen base model, no training."""
+    return Method("pretrained", same_for_all(context.num_users, None))
+
+
+def local(options: LoRASizes, context: MethodContext) -> Method:
+    """Each user trains two private LoRA modules alone."""
+    layout = lora_layout(options, PRIVATE_PAIR, "uniform", "private")
+    return Method("local", same_for_all(context.num_users, layout))
+
+
+def fedavg(options: LoRASizes, context: MethodContext) -> Method:
+    """FedAvg (McMahan et al., 2017) of two LoRA modules."""
+    layout = lora_layout(options, SHARED_PAIR, "uniform", "shared")
+    return Method("fedavg", same_for_all(context.num_users, layout), server_rule=ServerRule(context.weighting))
+
+
+def local_moe(options: LoRASizes, context: MethodContext) -> Method:
+    """Two private experts and a router trained jointly on the training loss (Table 5, II)."""
+    layout = lora_layout(options, PRIVATE_PAIR, "token-topk", "private")
+    return Method("local-moe", same_for_all(context.num_users, layout), procedure=Procedure(routers="joint"))
+
+
+def fedavg_moe(options: LoRASizes, context: MethodContext) -> Method:
+    """FedAvg of a whole two-expert MoE, router included (Table 5, II)."""
+    layout = lora_layout(options, SHARED_PAIR, "token-topk", "shared")
+    return Method("fedavg-moe", same_for_all(context.num_users, layout), procedure=Procedure(routers="joint"),
+                  server_rule=ServerRule(context.weighting), sharing=Sharing(share_router=True))
+
+
+def ffa_lora(options: LoRASizes, context: MethodContext) -> Method:
+    """FFA-LoRA (Sun et al., 2024): A frozen at its shared random init, B averaged."""
+    return replace(fedavg(options, context), name="ffa-lora", sharing=Sharing(frozen_matrices=frozenset({"lora_A"})))
+
+
+def fedsa_lora(options: LoRASizes, context: MethodContext) -> Method:
+    """FedSA-LoRA (Guo et al., 2024): A averaged, B kept on the device."""
+    return replace(fedavg(options, context), name="fedsa-lora",
+                   sharing=Sharing(private_matrices=frozenset({"lora_B"})))
+
+
+def centralized(options: LoRASizes, context: MethodContext) -> Method:
+    """Upper bound: one model trained on the pooled training data of all users."""
+    method = fedavg(options, replace(context, num_users=1))
+    return replace(method, name="centralized", centralized=True)

@@ -1,0 +1,43 @@
+"""Options of CoMiGS and its baselines, with the paper's defaults (CoMiGS App. B.1.2)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ondevice_moe.methods.base import MethodOptions
+
+COMIGS_VARIANTS = ("1G1S", "2G", "2S", "1GXs")
+
+
+class LoRASizes(BaseModel):
+    """LoRA on every attention and MLP linear layer, rsLoRA scaling α/√r (eq. 5),
+    top-k routing with a load-balancing loss (eq. 6–7). The recipe's
+    ``experts:`` section sets these for every method of the family."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    lora_rank: int = Field(8, ge=1)
+    lora_alpha: float = Field(16.0, gt=0)
+    top_k: int = Field(2, ge=1)
+    balance_form: Literal["uniform", "generalist"] = "uniform"
+
+
+class LoRABaselineOptions(MethodOptions, LoRASizes):
+    """Options of the CoMiGS baselines: the LoRA sizes and a label."""
+
+
+class CoMiGSOptions(LoRABaselineOptions):
+    """``variant``: ``1G1S`` (one generalist, one specialist), ``2G`` / ``2S``
+    (Table 5 ablations), ``1GXs`` (one generalist and ``experts[i] − 1``
+    specialists on user i, §3.2). ``router_data: train`` gives the ``-tr``
+    ablation (routers on the training split). ``generalist`` / ``specialist``:
+    the expert kind of each role (LoRA in the paper; ``adapter`` puts a
+    bottleneck adapter after the MLP instead)."""
+
+    variant: Literal["1G1S", "2G", "2S", "1GXs"] = "1G1S"
+    experts: list[int] | None = None
+    router_data: Literal["valid", "train"] = "valid"
+    generalist: Literal["lora", "adapter"] = "lora"
+    specialist: Literal["lora", "adapter"] = "lora"

@@ -1,0 +1,29 @@
+"""Build the spelled-out mixture: the layout, procedure and server rule its options name."""
+
+from __future__ import annotations
+
+from ondevice_moe.federation.rules import InverseFrequencyRule, ServerRule
+from ondevice_moe.layout import ExpertSizes, ExpertSpec, Layout, RouterSpec
+from ondevice_moe.methods.base import Method, MethodContext, Procedure, Sharing, same_for_all
+from ondevice_moe.methods.mixture.config import MixtureOptions
+
+
+def mixture(options: MixtureOptions, context: MethodContext) -> Method:
+    """Any expert kinds and roles under any router, on every device alike."""
+    layout = Layout(
+        experts=tuple(ExpertSpec(e.kind, e.role) for e in options.experts),
+        router=RouterSpec(options.router, top_k=options.top_k, balance=options.balance_form,
+                          temperature=options.temperature, gamma=options.gamma, bias_rate=options.bias_rate,
+                          gradient_ema=options.gradient_ema),
+        mixing=options.mixing,
+        attention_lora=options.attention_lora,
+        sizes=ExpertSizes(options.lora_rank, options.lora_alpha, options.rank_stabilised, options.adapter_rank,
+                          options.prefix_length),
+    )
+    learned = options.router in ("token-topk", "hermes", "sigmoid")
+    procedure = Procedure(routers=options.routers_train if learned else "none", router_data=options.router_data)
+    rule = InverseFrequencyRule(context.weighting) if options.aggregation == "inverse-frequency" \
+        else ServerRule(context.weighting, partial_uploads=options.upload == "selected")
+    name = "mixture-" + "+".join(f"{e.kind}:{e.role}" for e in options.experts)
+    return Method(name, same_for_all(context.num_users, layout), procedure=procedure, server_rule=rule,
+                  sharing=Sharing(selected_only=options.upload == "selected"))
