@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from ondevice_moe.data.sources import SOURCES
 from ondevice_moe.data.tasks import TASKS
 from ondevice_moe.errors import UserError
-from ondevice_moe.methods.base import MethodContext, MethodOptions
+from ondevice_moe.methods.base import Method, MethodContext, MethodOptions
 from ondevice_moe.methods.comigs.config import LoRASizes
 from ondevice_moe.methods.hermes.config import HermesSizes
 from ondevice_moe.methods.registry import CLASSIFICATION, LANGUAGE, METHODS, build_method, method_options
@@ -307,7 +307,13 @@ class Recipe(_Section):
         if wrong:
             valid = [name for name, spec in METHODS.items() if kind in spec.tasks]
             raise ValueError(f"methods {wrong} do not run on a {kind} recipe; use {', '.join(valid)}")
-        names = [self.method_name(index) for index in range(len(self.methods))]
+        built = [self._method_for_validation(index) for index in range(len(self.methods))]
+        if self.model.quantization != "none":
+            whole = [m.name for m in built if m.procedure.full_finetune]
+            if whole:
+                raise ValueError(f"methods {whole} train every base weight, which a {self.model.quantization} "
+                                 "base cannot: quantized weights are frozen; drop them or set model.quantization: none")
+        names = [m.name for m in built]
         repeated = sorted({name for name in names if names.count(name) > 1})
         if repeated:
             raise ValueError(f"two method entries resolve to the same name {repeated}; "
@@ -327,10 +333,17 @@ class Recipe(_Section):
     def method_context(self) -> MethodContext:
         return MethodContext(num_users=len(self.user_names), weighting=self.federation.weighting)
 
+    def method(self, index: int) -> Method:
+        """Entry ``index`` resolved for the recipe's devices."""
+        return build_method(self.methods[index].name, self.method_options(index), self.method_context())
+
     def method_name(self, index: int) -> str:
         """The name entry ``index``'s results are reported under."""
+        return self.method(index).name
+
+    def _method_for_validation(self, index: int) -> Method:
         try:
-            return build_method(self.methods[index].name, self.method_options(index), self.method_context()).name
+            return self.method(index)
         except UserError as error:
             raise ValueError(f"{error.problem} ({error.fix})") from None
 

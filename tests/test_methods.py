@@ -90,3 +90,84 @@ def test_unavailable_hub_model_says_what_is_missing():
     with pytest.raises(UserError, match="cannot load model 'someone/not-cached-model'") as raised:
         load_base_model("someone/not-cached-model")
     assert "smollm2-135m" in raised.value.fix
+
+
+def _recipe_with_methods(methods):
+    from pathlib import Path
+
+    import yaml
+
+    from ondevice_moe.recipe import validate_recipe
+
+    raw = yaml.safe_load((Path(__file__).parent / "recipes" / "tiny.yaml").read_text())
+    raw["methods"] = methods
+    return validate_recipe(raw)
+
+
+def test_an_option_the_method_does_not_take_is_rejected_with_its_valid_options():
+    with pytest.raises(UserError, match="'router_data' is not an option of method 'local-moe'") as raised:
+        _recipe_with_methods([{"name": "local-moe", "router_data": "train"}])
+    assert "lora_rank" in raised.value.problem and "label" in raised.value.problem
+    with pytest.raises(UserError, match="'ablation' is not an option of method 'comigs'"):
+        _recipe_with_methods([{"name": "comigs", "ablation": "w/o-A"}])
+
+
+def test_a_wrong_option_value_names_the_option():
+    with pytest.raises(UserError, match="variant"):
+        _recipe_with_methods([{"name": "comigs", "variant": "3G"}])
+
+
+def test_two_entries_with_one_name_are_refused_until_labelled():
+    with pytest.raises(UserError, match=r"same name \['fedavg'\].*label"):
+        _recipe_with_methods(["fedavg", "fedavg"])
+    with pytest.raises(UserError, match="same name"):
+        _recipe_with_methods([{"name": "comigs", "variant": "1GXs", "experts": [2, 2, 2]},
+                              {"name": "comigs", "variant": "1GXs", "experts": [2, 3, 2]}])
+    recipe = _recipe_with_methods(["fedavg", {"name": "fedavg", "label": "fedavg-again"}])
+    assert [recipe.method_name(i) for i in range(2)] == ["fedavg", "fedavg-again"]
+
+
+def test_family_sections_give_defaults_and_entries_override_them():
+    recipe = _recipe_with_methods(["comigs", {"name": "comigs", "label": "r4", "lora_rank": 4}])
+    assert recipe.method_options(0).lora_rank == recipe.experts.lora_rank == 8
+    assert recipe.method_options(1).lora_rank == 4
+
+
+def test_comigs_with_an_adapter_generalist_holds_an_adapter_and_shares_it(tiny_model):
+    method = method_for("comigs", 2, generalist="adapter")
+    assert method.name == "comigs-1G1S-adapterG-loraS"
+    names = _shared_names(tiny_model, "comigs", generalist="adapter")
+    assert any(".experts.shared_0.down" in n for n in names)
+    assert not any("private" in n for n in names)
+
+
+def test_hermes_trains_on_a_causal_language_model(tiny_model, tokens):
+    """Hermes's LLaMA columns: the same experts and router on a decoder, trained on next-token loss."""
+    from ondevice_moe.federation.device import expert_usage, shared_state, start_round
+
+    method = method_for("hermes", 2)
+    model = attach_layout(tiny_model, method.layouts[0], seed=0)
+    trainer = DeviceTrainer(model, method, TrainingConfig(lr=1e-2, lr_schedule="constant"))
+    start_round(model)
+    losses = [trainer.expert_step({"input_ids": tokens, "labels": tokens}) for _ in range(4)]
+    assert losses[-1] < losses[0]
+    usage = expert_usage(model)
+    assert usage and max(usage.values()) > 0
+    uploaded = set(shared_state(trainer))
+    assert uploaded and not any("router" in n for n in uploaded)
+
+
+def test_full_fine_tuning_on_a_quantized_base_is_refused():
+    from pathlib import Path
+
+    import yaml
+
+    from ondevice_moe.recipe import validate_recipe
+
+    raw = yaml.safe_load((Path(__file__).parent / "recipes" / "tiny-classification.yaml").read_text())
+    raw["model"]["quantization"] = "nf4"
+    raw["methods"] = ["fed-lora", "fed-ft"]
+    with pytest.raises(UserError, match=r"\['fed-ft'\] train every base weight"):
+        validate_recipe(raw)
+    raw["methods"] = ["fed-lora"]
+    assert validate_recipe(raw).model.quantization == "nf4"

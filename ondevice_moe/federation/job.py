@@ -17,7 +17,7 @@ from pathlib import Path
 from flwr.app import Context
 
 from ondevice_moe.federation.rules import ServerRule
-from ondevice_moe.methods import Method, build_method
+from ondevice_moe.methods import Method
 from ondevice_moe.recipe import Recipe, load_recipe, validate_recipe
 from ondevice_moe.training import TrainingConfig
 
@@ -33,9 +33,7 @@ class Job:
     @cached_property
     def method(self) -> Method:
         """The method of entry ``method_index``, resolved for the recipe's devices."""
-        recipe = self.recipe
-        entry = recipe.methods[self.method_index]
-        return build_method(entry.name, recipe.method_options(self.method_index), recipe.method_context())
+        return self.recipe.method(self.method_index)
 
     @property
     def server_rule(self) -> ServerRule:

@@ -34,10 +34,11 @@ class CoMiGSOptions(LoRABaselineOptions):
     specialists on user i, §3.2). ``router_data: train`` gives the ``-tr``
     ablation (routers on the training split). ``generalist`` / ``specialist``:
     the expert kind of each role (LoRA in the paper; ``adapter`` puts a
-    bottleneck adapter after the MLP instead)."""
+    bottleneck adapter of rank ``adapter_rank`` after the MLP instead)."""
 
     variant: Literal["1G1S", "2G", "2S", "1GXs"] = "1G1S"
     experts: list[int] | None = None
     router_data: Literal["valid", "train"] = "valid"
     generalist: Literal["lora", "adapter"] = "lora"
     specialist: Literal["lora", "adapter"] = "lora"
+    adapter_rank: int = Field(16, ge=1)

@@ -16,14 +16,15 @@ from ondevice_moe.methods.base import Method, MethodContext, Procedure
 from ondevice_moe.methods.comigs.config import CoMiGSOptions, LoRASizes
 
 
-def lora_layout(options: LoRASizes, experts: tuple[ExpertSpec, ...], router: str, attention: str) -> Layout:
+def lora_layout(options: LoRASizes, experts: tuple[ExpertSpec, ...], router: str, attention: str,
+                adapter_rank: int = ExpertSizes.adapter_rank) -> Layout:
     """A CoMiGS-family layout: the given MLP experts under ``router``, attention LoRA of role ``attention``."""
     return Layout(
         experts=experts,
         router=RouterSpec(router, top_k=options.top_k, balance=options.balance_form),
         mixing="mlp",
         attention_lora=attention,
-        sizes=ExpertSizes(lora_rank=options.lora_rank, lora_alpha=options.lora_alpha),
+        sizes=ExpertSizes(lora_rank=options.lora_rank, lora_alpha=options.lora_alpha, adapter_rank=adapter_rank),
     )
 
 
@@ -32,7 +33,7 @@ def comigs(options: CoMiGSOptions, context: MethodContext) -> Method:
     generalist, specialist = ExpertSpec(options.generalist, "shared"), ExpertSpec(options.specialist, "private")
     fixed = {"1G1S": (generalist, specialist), "2G": (generalist, generalist), "2S": (specialist, specialist)}
     if options.variant in fixed:
-        layouts = tuple(lora_layout(options, fixed[options.variant], "token-topk", "shared")
+        layouts = tuple(lora_layout(options, fixed[options.variant], "token-topk", "shared", options.adapter_rank)
                         for _ in range(context.num_users))
     else:
         counts = options.experts
@@ -42,8 +43,8 @@ def comigs(options: CoMiGSOptions, context: MethodContext) -> Method:
                 f"got {counts}",
                 "set e.g. `experts: [2, 4, 4, 2]` in the method entry",
             )
-        layouts = tuple(lora_layout(options, (generalist, *(specialist,) * (count - 1)), "token-topk", "shared")
-                        for count in counts)
+        layouts = tuple(lora_layout(options, (generalist, *(specialist,) * (count - 1)), "token-topk", "shared",
+                                    options.adapter_rank) for count in counts)
     suffix = "-tr" if options.router_data == "train" else ""
     kinds = "" if (options.generalist, options.specialist) == ("lora", "lora") else \
         f"-{options.generalist}G-{options.specialist}S"
