@@ -3,15 +3,22 @@
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Literal, NoReturn
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.markup import escape
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from ondevice_moe import __version__
 from ondevice_moe.errors import UserError
+
+if TYPE_CHECKING:
+    from ondevice_moe.plan import DevicePlan
+    from ondevice_moe.recipe import Recipe
 
 app = typer.Typer(
     help="On-device collaborative fine-tuning with mixtures of PEFT experts.",
@@ -22,28 +29,53 @@ recipes_app = typer.Typer(help="Bundled recipes.", no_args_is_help=True)
 app.add_typer(recipes_app, name="recipes")
 console = Console()
 
-RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
+RECIPES_DIR = Path(__file__).resolve().parent / "recipes"
 MAX_USER_COLUMNS = 5
+Device = Literal["auto", "cpu", "cuda"]
+DEVICE_HELP = "Where the model runs (recipe key model.device): auto picks CUDA when present."
+
+
+def _show_version(value: bool) -> None:
+    if value:
+        console.print(f"ondevice-moe {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    version: Annotated[bool, typer.Option("--version", callback=_show_version, is_eager=True,
+                                          help="Print the version and exit.")] = False,
+) -> None:
+    """On-device collaborative fine-tuning with mixtures of PEFT experts."""
 
 
 @app.command()
 def finetune(
-    recipe: Annotated[Path, typer.Argument(help="Recipe YAML (see `ondevice-moe recipes list`).")],
+    recipe: Annotated[Path, typer.Argument(help="Recipe YAML, or a bundled recipe's name (see `recipes list`).")],
     set_: Annotated[list[str], typer.Option("--set", help="Override a recipe key: --set federation.rounds=5")] = [],  # noqa: B006
     output: Annotated[Path | None, typer.Option(help="Run folder (default: runs/<recipe name>).")] = None,
     seed: Annotated[int | None, typer.Option(help="Override the recipe's seed.")] = None,
+    device: Annotated[Device | None, typer.Option(help=DEVICE_HELP)] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run",
+                                          help="Print the resolved recipe and the plan; train nothing.")] = False,
 ) -> None:
     """Fine-tune every method of a recipe through Flower and write the report."""
+    from ondevice_moe.federation.job import Job
     from ondevice_moe.recipe import load_recipe
     from ondevice_moe.runner import run_recipe
 
+    overrides = [*set_, f"model.device={device}"] if device else set_
     try:
-        loaded = load_recipe(_find_recipe(recipe), set_, seed)
+        loaded = load_recipe(_find_recipe(recipe), overrides, seed)
+        if dry_run:
+            _print_plan(loaded, output)
+            return
         what = f"task {loaded.task.name}, " if loaded.task else ""
         console.print(f"[bold]{loaded.name}[/]: {what}{len(loaded.user_names)} devices, model {loaded.model.name}, "
-                      f"methods {', '.join(_method_label(m) for m in loaded.methods)}")
+                      f"methods {', '.join(Job(loaded, i, Path()).method.name for i in range(len(loaded.methods)))}")
         with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                      TimeElapsedColumn(), TextColumn("{task.fields[status]}"), console=console) as progress:
+                      TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[status]}"),
+                      console=console) as progress:
             tasks: dict[str, int] = {}
 
             def on_method(name: str, index: int, count: int) -> None:
@@ -63,20 +95,17 @@ def finetune(
 def evaluate(
     run: Annotated[Path, typer.Argument(help="A run folder written by `ondevice-moe finetune`.")],
     suite: Annotated[str, typer.Option(help="lm (perplexity in/out of distribution) or glue (task metrics).")] = "lm",
+    device: Annotated[Device | None, typer.Option(help=DEVICE_HELP + " Default: the run's recipe.")] = None,
 ) -> None:
     """Re-evaluate a finished run from its checkpoints."""
     from ondevice_moe.runner import evaluate_run
 
     try:
-        summary = evaluate_run(run, suite)
+        # `None` keeps the device of the run's recipe
+        summary = evaluate_run(run, suite, **({"device": device} if device else {}))
     except UserError as error:
         _fail(error)
     _print_summary(summary)
-
-
-def _method_label(entry) -> str:
-    extras = [entry.variant, entry.ablation, f"k{entry.top_k}" if entry.top_k else None]
-    return "-".join([entry.name, *(e for e in extras if e)])
 
 
 def _print_summary(summary: dict) -> None:
@@ -112,22 +141,111 @@ def list_recipes() -> None:
     console.print(table)
 
 
+@recipes_app.command("show")
+def show_recipe(name: Annotated[str, typer.Argument(help="A bundled recipe, e.g. demo or demo.yaml.")]) -> None:
+    """Print a bundled recipe's YAML."""
+    try:
+        path = _bundled_recipe(name)
+    except UserError as error:
+        _fail(error)
+    _print_yaml(path.read_text(encoding="utf-8"))
+
+
+@recipes_app.command("copy")
+def copy_recipe(
+    name: Annotated[str, typer.Argument(help="A bundled recipe, e.g. demo or demo.yaml.")],
+    dest: Annotated[Path, typer.Argument(help="The file to write, or a folder to write NAME.yaml into.")],
+    force: Annotated[bool, typer.Option("--force", help="Overwrite DEST if it exists.")] = False,
+) -> None:
+    """Copy a bundled recipe to edit it."""
+    try:
+        source = _bundled_recipe(name)
+        target = dest / source.name if dest.is_dir() else dest
+        if target.exists() and not force:
+            raise UserError(f"{target} already exists", "choose another DEST, or pass --force to overwrite it")
+        if not target.parent.is_dir():
+            raise UserError(f"folder {target.parent} does not exist", "create it first, or choose another DEST")
+    except UserError as error:
+        _fail(error)
+    shutil.copyfile(source, target)
+    console.print(f"wrote {target}")
+
+
+def _print_yaml(text: str) -> None:
+    """YAML as written: no markup, no wrapping, so the output can be redirected to a file."""
+    console.print(text.rstrip("\n"), markup=False, highlight=False, soft_wrap=True)
+
+
+def _bundled_recipe(name: str) -> Path:
+    """The bundled recipe called ``name`` (with or without ``.yaml``)."""
+    path = RECIPES_DIR / Path(name).name
+    for candidate in (path, path.with_name(f"{path.name}.yaml")):
+        if candidate.is_file():
+            return candidate
+    names = ", ".join(p.stem for p in sorted(RECIPES_DIR.glob("*.yaml")))
+    raise UserError(f"no bundled recipe '{name}'", f"use one of: {names}")
+
+
 def _find_recipe(recipe: Path) -> Path:
-    """A path as given, or the name of a bundled recipe."""
-    if recipe.exists():
-        return recipe
-    bundled = RECIPES_DIR / recipe.name
-    if bundled.exists():
-        return bundled
-    if bundled.with_suffix(".yaml").exists():
-        return bundled.with_suffix(".yaml")
+    """A readable recipe file: the path as given, or the name of a bundled recipe."""
+    if not recipe.exists():
+        try:
+            return _bundled_recipe(str(recipe))
+        except UserError:
+            return recipe  # load_recipe names the missing file
+    if recipe.is_dir():
+        raise UserError(f"recipe {recipe} is a folder, not a YAML file",
+                        f"pass a .yaml file, e.g. {recipe / 'recipe.yaml'} (a run folder holds one)")
+    try:
+        with recipe.open("rb"):
+            pass
+    except OSError as error:
+        raise UserError(f"cannot read recipe {recipe} ({error.strerror or error})",
+                        "check the file's permissions (e.g. chmod u+r) or copy it somewhere readable") from None
     return recipe
 
 
-def _fail(error: UserError) -> None:
-    console.print(f"[bold red]error:[/] {error.problem}")
+def _print_plan(recipe: Recipe, output: Path | None) -> None:
+    """The resolved recipe, then per method the devices and their trained and uploaded parameters."""
+    import yaml
+
+    from ondevice_moe.plan import plan_recipe
+    from ondevice_moe.report import _bytes  # the report's byte format (B, KiB, MiB, GiB)
+
+    _print_yaml(yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False))
+    federation = recipe.federation
+    work = (f"{federation.local_epochs} local epoch(s)" if federation.local_epochs
+            else f"{federation.local_iterations} local iterations")
+    console.print(f"[bold]plan[/]: {len(recipe.methods)} method(s), {len(recipe.user_names)} devices, "
+                  f"{federation.rounds} rounds of {work}, run folder {output or Path('runs') / recipe.name}")
+    table = Table(title="Parameters per device (uploaded: sent to the server each round)")
+    for column in ("method", "devices", "trainable", "uploaded", "upload / round / device"):
+        table.add_column(column, justify="left" if column in ("method", "devices") else "right")
+    for method in plan_recipe(recipe, Path(output or Path("runs") / recipe.name)):
+        for devices, plan in _group_devices(method.devices):
+            table.add_row(method.name, devices, f"{plan.trainable:,}", f"{plan.uploaded:,}",
+                          _bytes(plan.uploaded_bytes))
+    console.print(table)
+    console.print("dry run: nothing was trained")
+
+
+def _group_devices(devices: tuple[DevicePlan, ...]) -> list[tuple[str, DevicePlan]]:
+    """Runs of consecutive devices with the same counts, as ("0-3", plan of device 0)."""
+    groups: list[list[DevicePlan]] = []
+    for plan in devices:
+        same = groups and (groups[-1][-1].trainable, groups[-1][-1].uploaded_bytes) == (plan.trainable,
+                                                                                         plan.uploaded_bytes)
+        if same:
+            groups[-1].append(plan)
+        else:
+            groups.append([plan])
+    return [(str(g[0].device) if len(g) == 1 else f"{g[0].device}-{g[-1].device}", g[0]) for g in groups]
+
+
+def _fail(error: UserError) -> NoReturn:
+    console.print(f"[bold red]error:[/] {escape(error.problem)}")
     if error.fix:
-        console.print(f"[bold]fix:[/] {error.fix}")
+        console.print(f"[bold]fix:[/] {escape(error.fix)}")
     raise typer.Exit(code=2)
 
 

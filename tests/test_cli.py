@@ -1,0 +1,88 @@
+"""The command line beyond errors: --version, the recipes verbs, --dry-run and --device."""
+
+from pathlib import Path
+
+import yaml
+from typer.testing import CliRunner
+
+import ondevice_moe
+from ondevice_moe.cli import RECIPES_DIR, app
+from ondevice_moe.plan import plan_recipe
+from ondevice_moe.recipe import load_recipe
+
+TESTS = Path(__file__).parent / "recipes"
+runner = CliRunner()
+
+
+def test_version():
+    result = runner.invoke(app, ["--version"])
+    assert result.exit_code == 0 and result.output.strip() == f"ondevice-moe {ondevice_moe.__version__}"
+
+
+def test_recipes_list_reads_the_package_folder():
+    assert Path(ondevice_moe.__file__).parent / "recipes" == RECIPES_DIR
+    result = runner.invoke(app, ["recipes", "list"])
+    assert result.exit_code == 0
+    for path in RECIPES_DIR.glob("*.yaml"):
+        assert path.name in result.output.replace("\n", "")
+
+
+def test_recipes_show_prints_the_yaml_unchanged():
+    result = runner.invoke(app, ["recipes", "show", "demo"])
+    assert result.exit_code == 0
+    assert result.output.rstrip("\n") == (RECIPES_DIR / "demo.yaml").read_text().rstrip("\n")
+
+
+def test_recipes_show_unknown_name_lists_the_recipes():
+    result = runner.invoke(app, ["recipes", "show", "dem"])
+    assert result.exit_code == 2
+    assert "no bundled recipe 'dem'" in result.output and "demo" in result.output and "Traceback" not in result.output
+
+
+def test_recipes_copy_refuses_to_overwrite_without_force(tmp_path):
+    bundled = (RECIPES_DIR / "demo.yaml").read_text()
+    assert runner.invoke(app, ["recipes", "copy", "demo", str(tmp_path)]).exit_code == 0
+    copy = tmp_path / "demo.yaml"
+    assert copy.read_text() == bundled
+    copy.write_text("name: mine\n")
+    refused = runner.invoke(app, ["recipes", "copy", "demo.yaml", str(copy)])
+    assert refused.exit_code == 2 and "already exists" in refused.output and "--force" in refused.output
+    assert copy.read_text() == "name: mine\n"
+    assert runner.invoke(app, ["recipes", "copy", "demo", str(copy), "--force"]).exit_code == 0
+    assert copy.read_text() == bundled
+
+
+def test_dry_run_prints_recipe_and_plan_and_trains_nothing(tmp_path):
+    run_dir = tmp_path / "run"
+    result = runner.invoke(app, ["finetune", str(TESTS / "tiny.yaml"), "--dry-run", "--device", "cpu",
+                                 "--set", "federation.rounds=3", "--output", str(run_dir)])
+    assert result.exit_code == 0, result.output
+    resolved = yaml.safe_load(result.output.split("plan:")[0])
+    assert resolved["model"]["device"] == "cpu" and resolved["federation"]["rounds"] == 3
+    plan = result.output.split("plan:")[1]
+    assert "3 devices, 3 rounds" in " ".join(plan.split())
+    for method in ("pretrained", "fedavg", "comigs-1G1S"):
+        assert method in plan
+    assert "nothing was trained" in result.output
+    assert not run_dir.exists()
+
+
+def test_plan_counts_trained_and_uploaded_parameters():
+    recipe = load_recipe(TESTS / "tiny.yaml", ["methods=[pretrained, local, fedavg, comigs]"])
+    plans = {plan.name: plan for plan in plan_recipe(recipe, Path("runs"))}
+    assert all(len(plan.devices) == 3 for plan in plans.values())
+    pretrained, local, fedavg, comigs = (plans[n].devices[0] for n in ("pretrained", "local", "fedavg", "comigs-1G1S"))
+    assert (pretrained.trainable, pretrained.uploaded, plans["pretrained"].uploaded_bytes) == (0, 0, 0)
+    assert local.trainable > 0 and local.uploaded == 0  # everything stays on the device
+    assert fedavg.uploaded == fedavg.trainable > 0
+    assert fedavg.uploaded_bytes == 4 * fedavg.uploaded  # float32
+    assert 0 < comigs.uploaded < comigs.trainable  # specialists and routers stay home
+
+
+def test_plan_of_a_classification_recipe():
+    recipe = load_recipe(TESTS / "tiny-classification.yaml")
+    plans = {plan.name: plan for plan in plan_recipe(recipe, Path("runs"))}
+    hermes, fed_lora = plans["hermes"].devices[0], plans["fed-lora"].devices[0]
+    assert len(plans["hermes"].devices) == 3
+    assert fed_lora.uploaded == fed_lora.trainable > 0  # LoRA and the task head
+    assert 0 < hermes.uploaded < hermes.trainable  # the routers are private
