@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NoReturn
 
 import yaml
 
@@ -18,24 +18,36 @@ def apply_override(raw: dict[str, Any], override: str) -> None:
     node: Any = raw
     for depth, part in enumerate(parts[:-1]):
         if isinstance(node, list):
-            node = _list_item(node, part, ".".join(parts[: depth + 1]))
-        else:
+            node = node[_index(node, part, ".".join(parts[: depth + 1]))]
+        elif isinstance(node, dict):
             node = node.setdefault(part, {})
+        else:
+            _not_a_section(key, parts[:depth])
     last = parts[-1]
-    value = yaml.safe_load(text) if text else None
+    value = _parse_value(key, text)
     if isinstance(node, list):
         node[_index(node, last, key)] = value
     elif isinstance(node, dict):
         node[last] = value
     else:
-        raise UserError(f"override '{key}': '{'.'.join(parts[:-1])}' is not a section", "check the key path")
+        _not_a_section(key, parts[:-1])
+
+
+def _not_a_section(key: str, path: list[str]) -> NoReturn:
+    raise UserError(f"override '{key}': '{'.'.join(path)}' is not a section", "check the key path")
+
+
+def _parse_value(key: str, text: str) -> Any:
+    """The YAML value of an override (empty text: null)."""
+    try:
+        return yaml.safe_load(text) if text else None
+    except yaml.YAMLError as error:
+        problem = " ".join(str(getattr(error, "problem", None) or error).split())
+        raise UserError(f"override '{key}': the value {text!r} is not valid YAML ({problem})",
+                        "close every bracket and quote, e.g. --set 'methods=[fedavg, local]'") from None
 
 
 def _index(node: list, part: str, key: str) -> int:
     if not part.isdigit() or int(part) >= len(node):
         raise UserError(f"override '{key}': '{part}' is not an index of a list of {len(node)}", "use 0-based indices")
     return int(part)
-
-
-def _list_item(node: list, part: str, key: str) -> Any:
-    return node[_index(node, part, key)]

@@ -80,3 +80,47 @@ def test_missing_data_folder(tmp_path):
 def test_recipes_list_shows_bundled_recipes():
     result = runner.invoke(app, ["recipes", "list"])
     assert result.exit_code == 0 and "demo.yaml" in result.output
+
+
+def test_unterminated_override_value_names_the_override():
+    result = _run(str(TINY), "--set", "methods=[fedavg")
+    assert result.exit_code == 2
+    output = " ".join(result.output.split())
+    assert "override 'methods'" in output and "not valid YAML" in output and "fix:" in output
+
+
+def test_override_below_a_value_is_refused():
+    result = _run(str(TINY), "--set", "name.first=x")
+    assert result.exit_code == 2 and "'name' is not a section" in result.output
+
+
+def test_recipe_path_that_is_a_folder(tmp_path):
+    result = _run(str(tmp_path))
+    assert result.exit_code == 2 and "is a folder, not a YAML file" in " ".join(result.output.split())
+
+
+def test_unreadable_recipe(tmp_path, monkeypatch):
+    path = tmp_path / "locked.yaml"
+    path.write_text(TINY.read_text())
+    real_open = Path.open
+
+    def refuse(self, *args, **kwargs):  # chmod 000 does not stop root, so the OS's refusal is simulated
+        if self == path:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_open(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "open", refuse)
+    result = _run(str(path))
+    output = " ".join(result.output.split())
+    assert result.exit_code == 2 and "cannot read recipe" in output and "Permission denied" in output
+
+
+def test_dirichlet_client_without_test_examples_fails_before_training(tmp_path):
+    recipe = Path(__file__).parent / "recipes" / "tiny-classification.yaml"
+    result = _run(str(recipe), "--set", "task.clients=8", "--set", "task.dirichlet_alpha=0.1",
+                  "--set", "task.max_test_examples=10", "--output", str(tmp_path / "run"))
+    assert result.exit_code == 2
+    output = " ".join(result.output.split())
+    assert "would get no test examples" in output and "task.max_test_examples" in output
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    assert not metrics.exists() or metrics.read_text() == ""  # no round ran

@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from ondevice_moe.data.classification import build_federated_task
 from ondevice_moe.data.sources import documents
 from ondevice_moe.data.splits import SourceSpec, build_user_data, split_documents, to_blocks
 from ondevice_moe.errors import UserError
@@ -75,3 +76,25 @@ def test_unreadable_file_is_named(tmp_path):
     (tmp_path / "bad.txt").write_bytes(b"\xff\xfe\x00 not utf-8 \xff")
     with pytest.raises(UserError, match=r"cannot read .*bad\.txt"):
         list(documents("text-folder", {"path": str(tmp_path)}))
+
+
+@pytest.mark.parametrize(("line", "kind"), [('["a", "list"]', "array"), ('"just a string"', "string"), ("3", "number")])
+def test_jsonl_line_that_is_not_an_object(tmp_path, line, kind):
+    path = tmp_path / "data.jsonl"
+    path.write_text('{"text": "fine"}\n' + line + "\n")
+    with pytest.raises(UserError, match=rf"data\.jsonl:2 is a JSON {kind}, not an object"):
+        list(documents("jsonl", {"path": str(path)}))
+
+
+def test_dirichlet_client_without_test_examples_is_named_at_build_time(tokenizer):
+    with pytest.raises(UserError, match=r"clients? [\d, ]+ of 8 would get no test examples") as caught:
+        build_federated_task("rotten-tomatoes", 8, 0.1, tokenizer, 16, seed=0, max_train_examples=240,
+                             max_test_examples=10)
+    assert "task.max_test_examples" in caught.value.fix
+
+
+def test_every_dirichlet_client_gets_test_examples(tokenizer):
+    task = build_federated_task("rotten-tomatoes", 3, 1.0, tokenizer, 16, seed=0, max_train_examples=240,
+                                max_test_examples=120)
+    assert all(len(client) > 0 for client in task.test)
+    assert sum(len(client) for client in task.test) == 120

@@ -13,6 +13,7 @@ import torch
 
 from ondevice_moe.data.partition import dirichlet_partition, label_bins, partition_by_proportions
 from ondevice_moe.data.tasks import TaskSpec, get_task, load_task
+from ondevice_moe.errors import UserError
 
 
 @dataclass
@@ -58,12 +59,25 @@ def build_federated_task(
     train_classes = _classes(task, train.labels)
     parts, proportions = dirichlet_partition(train_classes, num_clients, alpha, seed)
     test_parts = partition_by_proportions(_classes(task, test.labels), proportions, seed)
+    _check_test_parts(test_parts, len(test.labels), alpha)
     label_dtype = torch.float32 if task.is_regression else torch.long
     return FederatedTask(
         task=task,
         train=[_tokenize(train.texts, train.labels, rows, tokenizer, max_length, label_dtype) for rows in parts],
         test=[_tokenize(test.texts, test.labels, rows, tokenizer, max_length, label_dtype) for rows in test_parts],
     )
+
+
+def _check_test_parts(parts: list[list[int]], total: int, alpha: float) -> None:
+    """Every client needs test examples: its label proportions may give it none of a small test set."""
+    empty = [client for client, rows in enumerate(parts) if not rows]
+    if empty:
+        who = f"client {empty[0]}" if len(empty) == 1 else f"clients {', '.join(map(str, empty))}"
+        raise UserError(
+            f"{who} of {len(parts)} would get no test examples: the Dirichlet "
+            f"(alpha={alpha}) label proportions deal the {total} test examples to the other clients",
+            "raise task.max_test_examples (or remove it), use fewer task.clients, or a larger task.dirichlet_alpha",
+        )
 
 
 def _classes(task: TaskSpec, labels: list[float]) -> list[int]:

@@ -94,10 +94,16 @@ def jsonl(path: str | None = None, text_field: str = "text", **_: object) -> Doc
         except json.JSONDecodeError as error:
             raise UserError(f"{file}:{number} is not valid JSON ({error.msg})",
                             "write one JSON object per line") from None
+        if not isinstance(record, dict):
+            raise UserError(f"{file}:{number} is a JSON {_JSON_KINDS[type(record)]}, not an object",
+                            f'write one JSON object per line, e.g. {{"{text_field}": "..."}}')
         if text_field not in record:
             raise UserError(f"{file}:{number} has no field '{text_field}'",
                             "set `text_field` to the field holding the text")
         yield str(record[text_field])
+
+
+_JSON_KINDS = {list: "array", str: "string", int: "number", float: "number", bool: "boolean", type(None): "null"}
 
 
 def hugging_face(
