@@ -1,0 +1,65 @@
+"""NF4 and int8 bases (bitsandbytes, on CPU) under every expert kind and mixing:
+the base stays quantized and frozen, experts and task heads train in float."""
+
+import pytest
+import torch
+
+from ondevice_moe.layout import ExpertSpec, Layout, RouterSpec, attach_layout
+from ondevice_moe.models import load_base_model
+from ondevice_moe.models.tiny import byte_tokenizer, tiny_model
+
+LAYOUTS = {
+    "comigs-mlp-mixture": Layout(experts=(ExpertSpec("adapter", "shared"), ExpertSpec("lora", "private")),
+                                 router=RouterSpec("token-topk"), mixing="mlp", attention_lora="shared"),
+    "hermes-block": Layout(experts=(ExpertSpec("lora", "shared"), ExpertSpec("adapter", "shared"),
+                                    ExpertSpec("prefix", "private")), router=RouterSpec("hermes"), mixing="block"),
+}
+
+
+# BERT has no separable MLP, so the exact mixture is refused there (test_layout.py).
+CASES = [("tiny-llama", "comigs-mlp-mixture"), ("tiny-llama", "hermes-block"), ("tiny-bert", "hermes-block")]
+
+
+@pytest.fixture(scope="module")
+def saved_models(tmp_path_factory):
+    """Tiny models saved as local folders, so they load through the real from_pretrained + bitsandbytes path."""
+    saved = {}
+    for name, num_labels in (("tiny-llama", None), ("tiny-bert", 3)):
+        folder = tmp_path_factory.mktemp(name)
+        torch.manual_seed(0)
+        tiny_model(name, 257, num_labels).save_pretrained(folder)
+        byte_tokenizer().save_pretrained(folder)
+        saved[name] = (folder, num_labels)
+    return saved
+
+
+def _batch(num_labels):
+    tokens = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
+    if num_labels is None:
+        return {"input_ids": tokens, "labels": tokens}
+    return {"input_ids": tokens, "attention_mask": torch.ones_like(tokens), "labels": torch.tensor([0, 2])}
+
+
+@pytest.mark.parametrize("quantization", ["nf4", "int8"])
+@pytest.mark.parametrize(("name", "layout_name"), CASES)
+def test_experts_train_on_a_quantized_base(saved_models, quantization, name, layout_name):
+    folder, num_labels = saved_models[name]
+    layout = LAYOUTS[layout_name]
+    base = load_base_model(str(folder), "float32", quantization, num_labels).model
+    quantized = [n for n, p in base.named_parameters() if p.dtype in (torch.uint8, torch.int8)]
+    assert quantized, "bitsandbytes should have quantized the base's linear layers"
+    heads = ("classifier", "bert.pooler") if num_labels else ()
+    model = attach_layout(base, layout, seed=0, own=heads)
+    for path in heads:
+        model.get_submodule(path).requires_grad_(True)
+    model.train()
+    output = model(**_batch(num_labels))
+    assert torch.isfinite(output.loss)
+    output.loss.backward()
+    trained = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    assert trained and all(p.dtype == torch.float32 for p in trained.values())
+    with_grad = [n for n, p in trained.items() if p.grad is not None and p.grad.abs().sum() > 0]
+    assert any("lora_B" in n for n in with_grad) and any(".up" in n for n in with_grad), with_grad
+    if num_labels:
+        assert any(n.startswith("classifier") for n in with_grad), "the float task head must train"
+    assert not any(n in quantized for n in trained), "quantized weights must stay frozen"
