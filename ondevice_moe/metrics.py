@@ -1,9 +1,11 @@
-"""GLUE task metrics in plain numpy (Hermes Table 1).
+"""Task metrics in plain numpy.
 
 Accuracy for most tasks, F1 of the positive class for MRPC, Matthews
-correlation for CoLA and Spearman rank correlation for STS-B. Each agrees with
-its scikit-learn / scipy counterpart (see ``tests/test_tasks.py``); undefined
-correlations (a constant input) score 0.0, as in scikit-learn.
+correlation for CoLA and Spearman rank correlation for STS-B (Hermes Table 1);
+mean squared error for the synthetic regression tasks (FLoRAL Table 3,
+FedSoft Table 1), where lower is better. Each agrees with its scikit-learn /
+scipy counterpart (see ``tests/test_tasks.py``); undefined correlations (a
+constant input) score 0.0, as in scikit-learn.
 """
 
 from __future__ import annotations
@@ -54,11 +56,21 @@ def spearman(predictions: Values, labels: Values) -> float:
     return float(rank_x @ rank_y / denominator) if denominator else 0.0
 
 
+def mean_squared_error(predictions: Values, labels: Values) -> float:
+    """Mean over examples and outputs of the squared error; ``(N,)`` and ``(N, 1)`` arrays pair up."""
+    predicted, expected = np.asarray(predictions, dtype=float), np.asarray(labels, dtype=float)
+    if predicted.size == 0 or predicted.size != expected.size or len(predicted) != len(expected):
+        raise ValueError(f"need two equally sized, non-empty arrays of examples, got {predicted.shape} and "
+                         f"{expected.shape}")
+    return float(np.mean((predicted.reshape(expected.shape) - expected) ** 2))
+
+
 METRICS: dict[str, Callable[[Values, Values], float]] = {
     "accuracy": accuracy,
     "f1": binary_f1,
     "mcc": matthews_correlation,
     "spearman": spearman,
+    "mse": mean_squared_error,
 }
 
 
@@ -93,4 +105,5 @@ def _average_ranks(values: np.ndarray) -> np.ndarray:
     return (first_rank + (counts - 1) / 2)[groups]
 
 
-__all__ = ["METRICS", "accuracy", "binary_f1", "matthews_correlation", "spearman", "task_score"]
+__all__ = ["METRICS", "accuracy", "binary_f1", "matthews_correlation", "mean_squared_error", "spearman",
+           "task_score"]

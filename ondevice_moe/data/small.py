@@ -1,0 +1,297 @@
+"""Per-client data of the small tasks, generated from a seed: float inputs, no tokenizer.
+
+* ``floral-linear`` / ``floral-mlp`` — FLoRAL App. G: client ``k`` of cluster
+  ``c = k mod C`` (the paper's diagonal router ``π^k_c = δ_{(k mod C) c}``)
+  regresses ``y = (W + α U_c V_cᵀ) x`` (eq. 9 / 43) or
+  ``y = Φ ((W + U_c V_cᵀ) x)_+`` (eq. 44), ``x ~ N(0, I)``, every weight drawn
+  element-wise from ``N(0, 1/d_in)`` (``d_in``: the input size of its layer;
+  App. G.1 writes ``N(0, 1/√d_in)``, which we read as the standard deviation
+  ``1/√d_in``). Each client holds ``N^k ≈ 0.25 d`` (linear, ``d = d_y d_x``)
+  or ``0.5 d`` (MLP, ``d = d_h d_x + d_y d_h``) training examples.
+  The paper gives no sizes: we use ``d_x = d_y = d_h = 10``, rank ``r = 2``, ``α = 1``.
+* ``fedsoft-10-90`` / ``-30-70`` / ``-linear`` / ``-random`` — FedSoft §5:
+  sources ``y = ⟨x, θ_s⟩ + ε`` with ``θ_s ~ N(0, σ₀² I_10)``, ``σ₀ = 10``,
+  ``x ~ N(0, I_10)``, ``ε ~ N(0, 1)``; client ``k`` holds ``n_k ~ U{100..200}``
+  examples mixed from the sources: half the clients 10:90 and half 90:10
+  (or 30:70), ``(k + 0.5)/K`` from source A (linear, the paper's ``(0.5 + k) %``
+  for K = 100), or ``S`` shares cut at ``S − 1`` uniform points (random).
+* ``digits-*`` — scikit-learn's 1,797 8×8 digits (grey levels / 16), the
+  fixed 80 / 20 split of :func:`~ondevice_moe.data.tasks.fixed_split`, each
+  split dealt evenly to the clients; client ``k``'s cluster ``c = k mod C``
+  rotates its images by 90°·c (``numpy.rot90``) and/or shifts its labels to
+  ``(y + c) mod 10`` (FLoRAL §6, after Ghosh et al. 2020); ``digits-dirichlet``
+  deals them by Dirichlet(α) label skew instead (:mod:`ondevice_moe.data.partition`).
+  ``data_fraction = 0.05`` is FLoRAL's *Reduced* variant: each client keeps 5 %
+  of its training examples, at least 10.
+
+Every client also has a test set from its own distribution; ``cluster_test``
+holds one test set per cluster or source, on which FedSoft scores its cluster
+models (and FLoRAL its optimal routing).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+import torch
+
+from ondevice_moe.data.partition import dirichlet_partition, partition_by_proportions
+from ondevice_moe.data.tasks import TASKS, TaskSpec, fixed_split, get_task
+from ondevice_moe.errors import UserError
+
+FLORAL_DIMS = {"x": 10, "y": 10, "hidden": 10, "rank": 2}
+FLORAL_ALPHA = 1.0
+FEDSOFT_SIGMA0 = 10.0
+FEDSOFT_SIZES = (100, 200)
+REDUCED_MINIMUM = 10
+CLUSTER_TEST_EXAMPLES = 500
+SMALL_TASKS = tuple(name for name, task in TASKS.items() if not task.is_text)
+
+
+@dataclass
+class TensorExamples:
+    """One client's examples: float ``inputs`` (N × input shape) and ``labels`` (N class indices, or N × outputs)."""
+
+    inputs: torch.Tensor
+    labels: torch.Tensor
+
+    def __len__(self) -> int:
+        return int(self.labels.shape[0])
+
+    def batch(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The rows as model keyword arguments ``inputs`` and ``labels``."""
+        return {"inputs": self.inputs[rows], "labels": self.labels[rows]}
+
+
+@dataclass
+class SmallFederatedTask:
+    """A small task dealt to clients.
+
+    ``mixtures[k, c]``: client ``k``'s share of cluster (or source) ``c``,
+    one-hot for hard clusters; ``None`` without ground-truth clusters.
+    ``cluster_test[c]``: held-out examples of cluster ``c`` alone.
+    """
+
+    task: TaskSpec
+    train: list[TensorExamples]
+    test: list[TensorExamples]
+    mixtures: np.ndarray | None
+    cluster_test: list[TensorExamples]
+
+
+def build_small_task(
+    name: str,
+    clients: int | None = None,
+    seed: int = 0,
+    clusters: int | None = None,
+    alpha: float = 1.0,
+    data_fraction: float = 1.0,
+) -> SmallFederatedTask:
+    """The small task ``name`` over ``clients`` (default: the paper's K) with ``clusters`` (default: C).
+
+    ``alpha`` is the Dirichlet concentration of ``digits-dirichlet``;
+    ``data_fraction`` keeps that share of each client's training examples
+    (at least 10; 0.05 = FLoRAL's Reduced variant). The same arguments give
+    the same data.
+    """
+    task = get_task(name)
+    clients, clusters = check_small_options(task, clients, clusters, data_fraction)
+    rng = np.random.default_rng(seed)
+    family = name.split("-", 1)[0]
+    built = _BUILDERS[family](task, clients, clusters, rng, alpha, seed)
+    if data_fraction < 1:
+        built.train = [_reduced(examples, data_fraction, rng) for examples in built.train]
+    return built
+
+
+def check_small_options(task: TaskSpec, clients: int | None, clusters: int | None, data_fraction: float = 1.0
+                        ) -> tuple[int, int | None]:
+    """``(clients, clusters)`` with the paper's defaults filled in; :class:`UserError` for what the task cannot do."""
+    if task.is_text:
+        raise UserError(f"task '{task.name}' is a text task, not a small task",
+                        f"use one of {', '.join(SMALL_TASKS)}")
+    clients = task.clients if clients is None else clients
+    if task.clusters is None:
+        if clusters is not None:
+            raise UserError(f"task '{task.name}' has no clusters (clusters={clusters})", "leave `clusters` out")
+    else:
+        clusters = task.clusters if clusters is None else clusters
+        most = _MAX_CLUSTERS.get(task.name, clients)
+        fixed = task.name.startswith("fedsoft-") and task.name != "fedsoft-random"
+        if (fixed and clusters != 2) or not 1 <= clusters <= most:
+            allowed = "exactly 2 sources (only fedsoft-random mixes more)" if fixed else f"1 to {most} clusters"
+            raise UserError(f"task '{task.name}' with {clients} clients cannot have clusters={clusters}",
+                            f"use {allowed}")
+    if clients < 1 or not 0 < data_fraction <= 1:
+        raise UserError(f"task '{task.name}': clients={clients}, data_fraction={data_fraction}",
+                        "use at least one client and a data fraction in (0, 1]")
+    return clients, clusters
+
+
+# -- FLoRAL App. G -----------------------------------------------------------------------------------------------
+
+
+def floral_synthetic(task: TaskSpec, clients: int, clusters: int, rng: np.random.Generator, *_) -> SmallFederatedTask:
+    """FLoRAL eq. (9) / (43) (``floral-linear``) and eq. (44) (``floral-mlp``) with the diagonal router."""
+    mlp = task.name == "floral-mlp"
+    d_x, d_y, rank = FLORAL_DIMS["x"], FLORAL_DIMS["y"], FLORAL_DIMS["rank"]
+    d_out = FLORAL_DIMS["hidden"] if mlp else d_y
+    base = _normal(rng, (d_out, d_x), d_x)
+    ups = [_normal(rng, (d_out, rank), rank) for _ in range(clusters)]
+    downs = [_normal(rng, (d_x, rank), d_x) for _ in range(clusters)]
+    scale = 1.0 if mlp else FLORAL_ALPHA  # eq. (44) has no α
+    weights = [base + scale * up @ down.T for up, down in zip(ups, downs, strict=True)]
+    phi = _normal(rng, (d_y, d_out), d_out) if mlp else None
+    size = d_out * d_x + (d_y * d_out if mlp else 0)
+    per_client = round((0.5 if mlp else 0.25) * size)
+
+    def draw(cluster: int, count: int) -> TensorExamples:
+        inputs = rng.standard_normal((count, d_x))
+        outputs = inputs @ weights[cluster].T
+        if phi is not None:
+            outputs = np.maximum(outputs, 0.0) @ phi.T
+        return _tensors(inputs, outputs)
+
+    membership = [k % clusters for k in range(clients)]
+    return SmallFederatedTask(
+        task,
+        train=[draw(c, per_client) for c in membership],
+        test=[draw(c, per_client) for c in membership],
+        mixtures=_one_hot(membership, clusters),
+        cluster_test=[draw(c, CLUSTER_TEST_EXAMPLES) for c in range(clusters)],
+    )
+
+
+# -- FedSoft §5 --------------------------------------------------------------------------------------------------
+
+
+def fedsoft_synthetic(task: TaskSpec, clients: int, sources: int, rng: np.random.Generator, *_
+                      ) -> SmallFederatedTask:
+    """FedSoft §5 linear-regression sources mixed per client by the task's partition pattern."""
+    dim = task.input_shape[0]
+    thetas = rng.normal(0.0, FEDSOFT_SIGMA0, (sources, dim))
+    mixtures = fedsoft_mixtures(task.name.removeprefix("fedsoft-"), clients, sources, rng)
+
+    def draw(shares: np.ndarray, count: int) -> TensorExamples:
+        source = np.repeat(np.arange(sources), mixture_counts(shares, count))
+        inputs = rng.standard_normal((count, dim))
+        outputs = np.einsum("nd,nd->n", inputs, thetas[source]) + rng.standard_normal(count)
+        return _tensors(inputs, outputs[:, None])
+
+    sizes = rng.integers(FEDSOFT_SIZES[0], FEDSOFT_SIZES[1], size=clients, endpoint=True)
+    return SmallFederatedTask(
+        task,
+        train=[draw(shares, int(n)) for shares, n in zip(mixtures, sizes, strict=True)],
+        test=[draw(shares, int(n)) for shares, n in zip(mixtures, sizes, strict=True)],
+        mixtures=mixtures,
+        cluster_test=[draw(np.eye(sources)[s], CLUSTER_TEST_EXAMPLES) for s in range(sources)],
+    )
+
+
+def fedsoft_mixtures(pattern: str, clients: int, sources: int, rng: np.random.Generator) -> np.ndarray:
+    """``(clients, sources)`` shares of FedSoft's 10:90, 30:70, linear and random partitions (§5)."""
+    if pattern in ("10-90", "30-70"):
+        minor = int(pattern[:2]) / 100
+        first = -(-clients // 2)
+        return np.array([[minor, 1 - minor]] * first + [[1 - minor, minor]] * (clients - first))
+    if pattern == "linear":
+        share = (np.arange(clients) + 0.5) / clients
+        return np.stack([share, 1 - share], axis=1)
+    cuts = np.sort(rng.uniform(0.0, 1.0, (clients, sources - 1)), axis=1)
+    return np.diff(cuts, axis=1, prepend=0.0, append=1.0)
+
+
+def mixture_counts(shares: np.ndarray, count: int) -> np.ndarray:
+    """``count`` examples split by ``shares``: floors, then one more to the largest remainders."""
+    exact = shares * count
+    counts = np.floor(exact).astype(int)
+    counts[np.argsort(counts - exact, kind="stable")[: count - counts.sum()]] += 1
+    return counts
+
+
+# -- digits ------------------------------------------------------------------------------------------------------
+
+
+def digits_task(task: TaskSpec, clients: int, clusters: int | None, rng: np.random.Generator, alpha: float,
+                seed: int) -> SmallFederatedTask:
+    """Digits clustered by rotation / label shift (``clusters``), or by Dirichlet(``alpha``) label skew."""
+    images, labels = _digits()
+    train, test = (np.array(rows) for rows in fixed_split(len(labels)))
+    if clusters is None:
+        train_parts, proportions = dirichlet_partition(labels[train].tolist(), clients, alpha, seed)
+        test_parts = partition_by_proportions(labels[test].tolist(), proportions, seed)
+        return SmallFederatedTask(
+            task,
+            train=[_digit_examples(images, labels, train[part]) for part in train_parts],
+            test=[_digit_examples(images, labels, test[part]) for part in test_parts],
+            mixtures=None,
+            cluster_test=[],
+        )
+    rotate, shift = "rotate" in task.name, "shift" in task.name
+    membership = [k % clusters for k in range(clients)]
+
+    def deal(rows: np.ndarray) -> list[TensorExamples]:
+        parts = np.array_split(rng.permutation(rows), clients)
+        return [_digit_examples(images, labels, part, c * rotate, c * shift)
+                for part, c in zip(parts, membership, strict=True)]
+
+    return SmallFederatedTask(
+        task,
+        train=deal(train),
+        test=deal(test),
+        mixtures=_one_hot(membership, clusters),
+        cluster_test=[_digit_examples(images, labels, test, c * rotate, c * shift) for c in range(clusters)],
+    )
+
+
+def _digit_examples(images: np.ndarray, labels: np.ndarray, rows: np.ndarray, quarter_turns: int = 0,
+                    label_shift: int = 0) -> TensorExamples:
+    """Images ``rows`` rotated by 90° · ``quarter_turns``, labels shifted to ``(y + label_shift) mod 10``."""
+    turned = np.rot90(images[rows], k=quarter_turns, axes=(1, 2))
+    return TensorExamples(torch.tensor(turned[:, None].copy(), dtype=torch.float32),
+                          torch.tensor((labels[rows] + label_shift) % 10, dtype=torch.long))
+
+
+@lru_cache(maxsize=1)
+def _digits() -> tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's digits (shipped with it): 1,797 images 8 × 8 scaled to [0, 1], and their labels."""
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    return digits.images / 16.0, digits.target
+
+
+# -- shared helpers ----------------------------------------------------------------------------------------------
+
+
+def _normal(rng: np.random.Generator, shape: tuple[int, int], fan_in: int) -> np.ndarray:
+    return rng.normal(0.0, 1.0 / np.sqrt(fan_in), shape)
+
+
+def _tensors(inputs: np.ndarray, outputs: np.ndarray) -> TensorExamples:
+    return TensorExamples(torch.tensor(inputs, dtype=torch.float32), torch.tensor(outputs, dtype=torch.float32))
+
+
+def _one_hot(membership: list[int], clusters: int) -> np.ndarray:
+    return np.eye(clusters)[membership]
+
+
+def _reduced(examples: TensorExamples, fraction: float, rng: np.random.Generator) -> TensorExamples:
+    """A random ``fraction`` of the examples, at least :data:`REDUCED_MINIMUM` (or all if fewer)."""
+    keep = min(len(examples), max(REDUCED_MINIMUM, round(fraction * len(examples))))
+    rows = torch.from_numpy(np.sort(rng.permutation(len(examples))[:keep]))
+    return TensorExamples(examples.inputs[rows], examples.labels[rows])
+
+
+_BUILDERS: dict[str, Callable[..., SmallFederatedTask]] = {
+    "floral": floral_synthetic,
+    "fedsoft": fedsoft_synthetic,
+    "digits": digits_task,
+}
+_MAX_CLUSTERS = {"digits-rotate": 4, "digits-rotate-label-shift": 4, "digits-label-shift": 10}
+
+__all__ = ["SMALL_TASKS", "SmallFederatedTask", "TensorExamples", "build_small_task", "check_small_options",
+           "digits_task", "fedsoft_mixtures", "fedsoft_synthetic", "floral_synthetic", "mixture_counts"]
