@@ -245,6 +245,7 @@ def attach_layout(base_model: nn.Module, layout: Layout, *, seed: int, user: int
     depends on the seed and the expert's place only); private experts differ per ``user``.
     """
     model = frozen_copy(base_model, own)
+    device = next(base_model.parameters()).device
     sites, blocks = sites_of(model)
     if layout.uses_prefix:
         _use_prefix_attention(model)
@@ -259,7 +260,17 @@ def attach_layout(base_model: nn.Module, layout: Layout, *, seed: int, user: int
             _attach_mlp_mixture(block, sites, layout, builder, index, model.config.hidden_size)
         else:
             _attach_block_mixture(block, sites, layout, builder, index, model.config)
+    _move_experts(model, device)
     return model
+
+
+def _move_experts(model: nn.Module, device: torch.device) -> None:
+    """Put experts and routers where the base runs (they are built on the CPU from seeded generators)."""
+    if device.type == "cpu":
+        return
+    for module in model.modules():
+        if isinstance(module, LoRA | Adapter | Prefix | BlockRouter | HermesRouter | TokenTopKRouter):
+            module.to(device)
 
 
 @dataclass

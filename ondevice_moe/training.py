@@ -123,6 +123,7 @@ class DeviceTrainer:
         return self._step(batch, self.router_optimizer, train_router=True, train_experts=False)
 
     def _step(self, batch: Batch, optimizer, *, train_router: bool, train_experts: bool, scheduler=None) -> float:
+        batch = to_device(batch, model_device(self.model))
         for name, param in self.trainable:
             param.requires_grad_(train_router if _is_router(name) else train_experts)
         try:
@@ -176,6 +177,15 @@ def one_cycle_cosine(step: int, total: int, warmup: int, start: float = 1 / 25, 
     return end + (1 - end) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def model_device(model: nn.Module) -> torch.device:
+    """The device the model's (first) parameters live on."""
+    return next(model.parameters()).device
+
+
+def to_device(batch: Batch, device: torch.device) -> Batch:
+    return {key: value.to(device) for key, value in batch.items()}
+
+
 def _is_router(name: str) -> bool:
     return "router" in name.split(".")
 
@@ -192,12 +202,13 @@ def trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
 def block_nll(model: nn.Module, blocks: torch.Tensor, batch_size: int) -> torch.Tensor:
     """Summed next-token negative log-likelihood of each block, shape ``(num_blocks,)``."""
     model.eval()
+    device = model_device(model)
     sums = []
     for start in range(0, blocks.shape[0], batch_size):
-        batch = blocks[start : start + batch_size]
+        batch = blocks[start : start + batch_size].to(device)
         logits = model(input_ids=batch).logits[:, :-1].float()
         nll = nn.functional.cross_entropy(logits.transpose(1, 2), batch[:, 1:], reduction="none")
-        sums.append(nll.sum(dim=1))
+        sums.append(nll.sum(dim=1).cpu())
     return torch.cat(sums)
 
 
@@ -211,9 +222,11 @@ def predict(model: nn.Module, examples, batch_size: int, regression: bool) -> to
     """Class indices (or regression scores) of a sequence classifier on ``examples``
     (anything with ``len()`` and ``batch(rows)`` giving model inputs)."""
     model.eval()
+    device = model_device(model)
     outputs = []
     for start in range(0, len(examples), batch_size):
         batch = examples.batch(torch.arange(start, min(start + batch_size, len(examples))))
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
+        inputs = to_device({k: v for k, v in batch.items() if k != "labels"}, device)
+        logits = model(**inputs).logits.float().cpu()
         outputs.append(logits.squeeze(-1) if regression else logits.argmax(dim=-1))
     return torch.cat(outputs) if outputs else torch.empty(0)

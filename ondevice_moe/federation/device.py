@@ -29,15 +29,16 @@ OPTIMIZER_KEY = "optimizer"
 
 
 @lru_cache(maxsize=2)
-def base_model(name: str, dtype: str, quantization: str, num_labels: int | None, seed: int) -> LoadedModel:
+def base_model(name: str, dtype: str, quantization: str, num_labels: int | None, seed: int, device: str
+               ) -> LoadedModel:
     """The frozen base model, loaded once per process."""
-    return load_base_model(name, dtype, quantization, num_labels, seed)
+    return load_base_model(name, dtype, quantization, num_labels, seed, device)
 
 
 def job_base_model(job: Job) -> LoadedModel:
     model = job.recipe.model
     num_labels = get_task(job.recipe.task.name).num_labels if job.recipe.task else None
-    return base_model(model.name, model.dtype, model.quantization, num_labels, job.recipe.seed)
+    return base_model(model.name, model.dtype, model.quantization, num_labels, job.recipe.seed, model.device)
 
 
 _TASKS: dict[str, FederatedTask] = {}
