@@ -8,8 +8,9 @@ distribution (the union of all users' test splits).
 from __future__ import annotations
 
 import json
+import os
 import statistics
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +20,17 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 
+class CorruptLog(ValueError):
+    """``metrics.jsonl`` holds something other than JSON records (not just a line cut short)."""
+
+
 class MetricsLog:
-    """Append-only JSON-lines log; each record is one flat dict."""
+    """Append-only JSON-lines log; each record is one flat dict with a ``kind``.
+
+    A run killed mid-write can leave its last line cut short (no newline):
+    :meth:`read` ignores it and :meth:`repair` removes it. Anything else that
+    is not a record raises :class:`CorruptLog`.
+    """
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -33,13 +43,44 @@ class MetricsLog:
     def read(self) -> list[dict[str, Any]]:
         if not self.path.exists():
             return []
+        try:
+            lines = self.path.read_text(encoding="utf-8").split("\n")
+        except UnicodeDecodeError as error:
+            raise CorruptLog(f"{self.path} is not text ({error})") from None
         records = []
-        for line in self.path.read_text(encoding="utf-8").splitlines():
+        for number, line in enumerate(lines[:-1], start=1):  # lines[-1]: empty, or a line cut short
+            if not line.strip():
+                continue
             try:
-                records.append(json.loads(line))
+                record = json.loads(line)
             except json.JSONDecodeError:
-                continue  # a line cut short by an interrupted run
+                record = None
+            if not isinstance(record, dict) or "kind" not in record:
+                raise CorruptLog(f"{self.path} line {number} is not a metrics record: {line[:60]!r}")
+            records.append(record)
         return records
+
+    def repair(self) -> None:
+        """Drop a last line cut short by a killed run, so appends start on a fresh line."""
+        if not self.path.exists():
+            return
+        text = self.path.read_text(encoding="utf-8")
+        if text and not text.endswith("\n"):
+            self._replace(text[: text.rfind("\n") + 1])
+
+    def discard(self, method: str) -> None:
+        """Remove every record of ``method`` (an interrupted attempt), atomically."""
+        kept = [r for r in self.read() if r.get("method") != method]
+        self._replace("".join(json.dumps(r, sort_keys=True) + "\n" for r in kept))
+
+    def finished(self) -> set[str]:
+        """Methods whose ``done`` record (written after the final checkpoints) is in the log."""
+        return {r["method"] for r in self.read() if r["kind"] == "done"}
+
+    def _replace(self, text: str) -> None:
+        partial = self.path.with_name(self.path.name + ".tmp")
+        partial.write_text(text, encoding="utf-8")
+        os.replace(partial, self.path)
 
 
 def _mean_std(values: list[float]) -> tuple[float, float]:
@@ -54,7 +95,8 @@ def summarize(records: list[dict[str, Any]], methods: list[str], users: list[str
     """Final per-user values and their mean (std) over users, for each method that finished.
 
     Language modelling: ``in`` / ``out`` test perplexity; classification: the
-    task's ``score`` (×100).
+    task's ``score`` (×100). ``dropped``: how often each user's device was
+    dropped from a round (it raised, timed out or sent a rejected update).
     """
     summary: dict[str, Any] = {"users": users, "methods": {}}
     for method in methods:
@@ -75,6 +117,7 @@ def summarize(records: list[dict[str, Any]], methods: list[str], users: list[str
             entry[f"mean_{short}"], entry[f"std_{short}"] = _mean_std([final[u][key] for u in users])
         entry["upload_bytes_per_round"] = statistics.fmean(r["bytes_up"] for r in comm) if comm else 0.0
         entry["download_bytes_per_round"] = statistics.fmean(r["bytes_down"] for r in comm) if comm else 0.0
+        entry["dropped"] = dict(Counter(r["user"] for r in records if r["method"] == method and r["kind"] == "drop"))
         summary["methods"][method] = entry
     return summary
 
@@ -124,11 +167,23 @@ def write_report(run_dir: Path, recipe_name: str, summary: dict[str, Any], plots
         "Test score (×100, higher is better: accuracy, F1 for MRPC, MCC for CoLA, Spearman for STS-B) "
         "of each client on its own test split after the last round. Mean (std) over clients."
     )
-    lines = [f"# {recipe_name}", "", caption, "", markdown_table(summary), ""]
+    lines = [f"# {recipe_name}", "", caption, "", markdown_table(summary), "", *_drops_section(summary)]
     lines += [f"![{p.stem}](plots/{p.name})" for p in plots]
     path = run_dir / "report.md"
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return path
+
+
+def _drops_section(summary: dict[str, Any]) -> list[str]:
+    """A table of dropped devices per method, when any device was dropped."""
+    rows = [f"| {name} | {user} | {count} |" for name, m in summary["methods"].items()
+            for user, count in m.get("dropped", {}).items()]
+    if not rows:
+        return []
+    return ["## Dropped devices", "",
+            "Rounds in which a device was left out: it raised, did not reply within `federation.reply_timeout_s`, "
+            "or sent an update the server rejected (reasons: `kind: drop` records in metrics.jsonl).", "",
+            "| method | device of user | rounds dropped |", "|---|---|---|", *rows, ""]
 
 
 def plot_expert_scores(records: list[dict[str, Any]], method: str, path: Path) -> Path | None:

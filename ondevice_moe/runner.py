@@ -1,13 +1,14 @@
 """Run a recipe: every method through Flower's simulation engine, then the report.
 
 A run folder holds ``recipe.yaml``, ``metrics.jsonl``, ``summary.json``,
-``report.md`` and ``plots/``. Running the same recipe into the same folder
-resumes it: methods that already finished are not run again.
+``report.md``, ``plots/`` and ``checkpoints/``. Running the same recipe into
+the same folder resumes it: a method counts as finished only once its ``done``
+record is logged (all rounds run and every checkpoint written); the records of
+a method cut short are discarded and the method runs again from round 1.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import warnings
@@ -20,9 +21,9 @@ import yaml
 
 from ondevice_moe.errors import UserError
 from ondevice_moe.federation.job import JOB_ENV, Job
-from ondevice_moe.methods import Method
 from ondevice_moe.recipe import Recipe
 from ondevice_moe.report import (
+    CorruptLog,
     MetricsLog,
     plot_communication,
     plot_expert_scores,
@@ -40,17 +41,36 @@ class RunResult:
 
 
 def prepare_run_dir(recipe: Recipe, output: Path | None) -> Path:
+    """Create or reopen the run folder; a folder of another recipe, or one that cannot be
+    read or written, is a :class:`UserError`. A log line cut short by a killed run is removed."""
     run_dir = Path(output) if output else Path("runs") / recipe.name
-    run_dir.mkdir(parents=True, exist_ok=True)
+    fix = "choose another --output folder, or delete the old one to start over"
+    if run_dir.exists() and not run_dir.is_dir():
+        raise UserError(f"the run folder {run_dir} is a file", fix)
     recipe_file = run_dir / "recipe.yaml"
     resolved = yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False)
-    if recipe_file.exists() and recipe_file.read_text(encoding="utf-8") != resolved:
-        raise UserError(
-            f"{run_dir} holds a run of a different recipe (or other --set/--seed values)",
-            "choose another --output folder, or delete the old one to start over",
-        )
-    recipe_file.write_text(resolved, encoding="utf-8")
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if recipe_file.exists() and recipe_file.read_text(encoding="utf-8") != resolved:
+            raise UserError(f"{run_dir} holds a run of a different recipe (or other --set/--seed values)", fix)
+        recipe_file.write_text(resolved, encoding="utf-8")
+        log = MetricsLog(run_dir / "metrics.jsonl")
+        log.read()
+        log.repair()
+        log.path.touch()
+    except (OSError, UnicodeDecodeError) as error:
+        reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
+        name = getattr(error, "filename", None) or run_dir
+        raise UserError(f"cannot use the run folder {run_dir}: {name}: {reason}", fix) from None
+    except CorruptLog as error:
+        raise UserError(f"the run folder {run_dir} is damaged: {error}", fix) from None
     return run_dir
+
+
+def start_method(job: Job) -> None:
+    """Prepare the run folder for one method run by ``flwr run`` and drop the method's old records."""
+    prepare_run_dir(job.recipe, job.run_dir)
+    MetricsLog(job.run_dir / "metrics.jsonl").discard(job.method.name)
 
 
 def check_inputs(recipe: Recipe) -> None:
@@ -75,34 +95,35 @@ def run_recipe(
     run_dir = prepare_run_dir(recipe, output)
     check_inputs(recipe)
     log = MetricsLog(run_dir / "metrics.jsonl")
-    users = recipe.user_names
-    methods = [Job(recipe, index, run_dir).method for index in range(len(recipe.methods))]
-    for index, method in enumerate(methods):
+    for index in range(len(recipe.methods)):
         job = Job(recipe, index, run_dir)
-        if method.name in summarize(log.read(), [method.name], users)["methods"]:
-            continue  # finished in an earlier, interrupted invocation
-        _discard_partial(log, method.name)
+        if job.method.name in log.finished():
+            continue  # finished (checkpoints written) in an earlier, interrupted invocation
+        log.discard(job.method.name)
         if on_method is not None:
-            on_method(method.name, index, len(recipe.methods))
+            on_method(job.method.name, index, len(recipe.methods))
         try:
             _simulate(job, on_round)
         except Exception as error:  # the ServerApp logged the cause; report it in one line below
-            log.write({"method": method.name, "kind": "error", "message": f"{type(error).__name__}: {error}"})
-        if method.name not in summarize(log.read(), [method.name], users)["methods"]:
-            errors = [r["message"] for r in log.read() if r.get("method") == method.name and r["kind"] == "error"]
-            raise UserError(f"method '{method.name}' did not finish: {errors[-1] if errors else 'see the log above'}",
+            log.write({"method": job.method.name, "kind": "error", "message": f"{type(error).__name__}: {error}"})
+        if job.method.name not in log.finished():
+            errors = [r["message"] for r in log.read() if r.get("method") == job.method.name and r["kind"] == "error"]
+            raise UserError(f"method '{job.method.name}' did not finish: "
+                            f"{errors[-1] if errors else 'see the log above'}",
                             "fix the cause and run the same command again: finished methods are kept")
-    return finish_report(recipe, run_dir, methods)
+    return finish_report(recipe, run_dir)
 
 
-def finish_report(recipe: Recipe, run_dir: Path, methods: list[Method]) -> RunResult:
+def finish_report(recipe: Recipe, run_dir: Path) -> RunResult:
+    """Summary, plots and ``report.md`` from the run folder's ``metrics.jsonl``."""
+    methods = [Job(recipe, index, run_dir).method for index in range(len(recipe.methods))]
     records = MetricsLog(run_dir / "metrics.jsonl").read()
     names = [m.name for m in methods]
     summary = summarize(records, names, recipe.user_names)
     plots = [p for p in (plot_rounds(records, names, run_dir / "plots" / "rounds.png"),
                          plot_communication(records, names, run_dir / "plots" / "communication.png")) if p]
     for method in methods:
-        if method.router_update != "none":  # only learned routers have scores worth a plot
+        if method.procedure.routers != "none":  # only learned routers have scores worth a plot
             plot = plot_expert_scores(records, method.name, run_dir / "plots" / f"expert_scores_{method.name}.png")
             if plot:
                 plots.append(plot)
@@ -148,12 +169,6 @@ def evaluate_run(run_dir: Path, suite: str) -> dict[str, Any]:
     return summarize(records, [job.method.name for job in jobs], recipe.user_names)
 
 
-def _discard_partial(log: MetricsLog, method: str) -> None:
-    """Drop the records of an interrupted method so its rerun starts clean."""
-    kept = [r for r in log.read() if r.get("method") != method]
-    log.path.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in kept), encoding="utf-8")
-
-
 def _simulate(job: Job, on_round: Callable[[int, int, str], None] | None) -> None:
     from flwr.simulation import run_simulation
 
@@ -161,16 +176,18 @@ def _simulate(job: Job, on_round: Callable[[int, int, str], None] | None) -> Non
 
     job_file = job.to_file(job.run_dir / f".job-{job.method_index}.json")
     os.environ[JOB_ENV] = str(job_file.resolve())
-    server_app.progress_hook = on_round
     cpus = job.recipe.federation.cpus_per_client
     backend = {
         "init_args": {"num_cpus": max(int(cpus), os.cpu_count() or 1), "logging_level": "ERROR",
                       "log_to_driver": False, "include_dashboard": False},
         "client_resources": {"num_cpus": cpus, "num_gpus": 0.0},
     }
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        logging.getLogger("flwr").setLevel(logging.WARNING)
-        run_simulation(server_app=server_app.app, client_app=client_app.app,
-                       num_supernodes=len(job.method.layouts), backend_config=backend)
-    server_app.progress_hook = None
+    server_app.progress_hook = on_round
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            logging.getLogger("flwr").setLevel(logging.WARNING)
+            run_simulation(server_app=server_app.app, client_app=client_app.app,
+                           num_supernodes=len(job.method.layouts), backend_config=backend)
+    finally:
+        server_app.progress_hook = None

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from ondevice_moe import runner
-from ondevice_moe.federation import server_app
+from ondevice_moe.federation import strategy
 from ondevice_moe.recipe import load_recipe
 
 TINY = Path(__file__).parent / "recipes" / "tiny.yaml"
@@ -15,18 +15,18 @@ TINY = Path(__file__).parent / "recipes" / "tiny.yaml"
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     received: list[str] = []
-    original = server_app.Update
+    original = strategy.Update
 
     def recording_update(device, tensors, num_examples, usage):
         received.extend(tensors)
         return original(device, tensors, num_examples, usage)
 
-    server_app.Update = recording_update
+    strategy.Update = recording_update
     try:
         recipe = load_recipe(TINY)
         result = runner.run_recipe(recipe, tmp_path_factory.mktemp("run") / "tiny")
     finally:
-        server_app.Update = original
+        strategy.Update = original
     return recipe, result, received
 
 

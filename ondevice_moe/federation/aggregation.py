@@ -50,27 +50,38 @@ def inverse_frequency_weighting(alpha: float, epsilon: float, fallback: Weightin
 def check_update(update: Update, reference: dict[str, torch.Tensor] | None, partial: bool = False) -> str | None:
     """Why ``update`` must be rejected, or ``None`` when it is sound.
 
-    A sound update has finite values and, once a global state exists, the
-    global state's names and shapes (a subset of them when ``partial``: Hermes
-    clients upload only the experts they used).
+    A sound update has a positive example count, finite values and the
+    reference's names and shapes (a subset of the names when ``partial``:
+    Hermes clients upload only the experts they used). No tensor may take more
+    bytes than its reference (an *oversized* upload, e.g. float64 for float32).
+    ``reference`` may hold meta tensors: only names, shapes and dtypes are read.
     """
     if update.num_examples <= 0:
         return f"device {update.device} reported {update.num_examples} training examples"
     for name, tensor in update.tensors.items():
         if not torch.isfinite(tensor).all():
             return f"device {update.device} sent non-finite values in {name}"
-    if reference:
-        missing, extra = set(reference) - set(update.tensors), set(update.tensors) - set(reference)
-        if partial:
-            missing, extra = set(), set()
-        if missing or extra:
-            return (f"device {update.device} sent unexpected tensors "
-                    f"(missing {sorted(missing)[:3]}, extra {sorted(extra)[:3]})")
-        for name, tensor in update.tensors.items():
-            if name in reference and tensor.shape != reference[name].shape:
-                expected = tuple(reference[name].shape)
-                return f"device {update.device} sent {name} with shape {tuple(tensor.shape)}, expected {expected}"
+    if not reference:
+        return None
+    missing, extra = set(reference) - set(update.tensors), set(update.tensors) - set(reference)
+    if (missing or extra) and not partial:
+        return (f"device {update.device} sent unexpected tensors "
+                f"(missing {sorted(missing)[:3]}, extra {sorted(extra)[:3]})")
+    for name, tensor in update.tensors.items():
+        if name not in reference:
+            continue
+        expected = reference[name]
+        if tensor.shape != expected.shape:
+            return (f"device {update.device} sent {name} with shape {tuple(tensor.shape)}, "
+                    f"expected {tuple(expected.shape)}")
+        if _nbytes(tensor) > _nbytes(expected):
+            return (f"device {update.device} sent an oversized {name} ({_nbytes(tensor)} bytes as {tensor.dtype}, "
+                    f"expected {_nbytes(expected)} as {expected.dtype})")
     return None
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
 
 
 def average(updates: list[Update], weighting: Weighting | None = None) -> dict[str, torch.Tensor]:

@@ -6,7 +6,9 @@ private part, and reply with the shared part only (plus, for Hermes, each
 uploaded expert's usage count). ``evaluate``: for language modelling, test
 perplexity in distribution (the user's own test split) and out of
 distribution (the union of all users' test splits); for classification, the
-task's metric on the client's own test split.
+task's metric on the client's own test split. ``query``: the device's index
+(``partition-id``), so the server knows which node holds which user.
+Simulated faults (``federation.faults``) wrap training as a client mod.
 """
 
 from __future__ import annotations
@@ -19,13 +21,20 @@ from flwr.clientapp import ClientApp
 
 from ondevice_moe.federation import device as dev
 from ondevice_moe.federation.evaluation import evaluate_device
+from ondevice_moe.federation.faults import fault_mod
 from ondevice_moe.federation.job import job_from_context
 
-app = ClientApp()
+app = ClientApp(mods=[fault_mod])
 
 
 def _device_index(context: Context) -> int:
     return int(context.node_config["partition-id"])
+
+
+@app.query()
+def identify(msg: Message, context: Context) -> Message:
+    """Tell the server which device (user or client index) this node is."""
+    return Message(RecordDict({"metrics": MetricRecord({"device": _device_index(context)})}), reply_to=msg)
 
 
 @app.train()

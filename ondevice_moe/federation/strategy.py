@@ -1,0 +1,306 @@
+"""The server as a Flower strategy: sample devices, send each its own message,
+drop the devices that fail, fold the rest into the server rule's slots.
+
+Flower's :meth:`Strategy.start` drives the rounds (train → aggregate →
+evaluate, every wait bounded by ``federation.reply_timeout_s``); this strategy
+decides what is sent and what is kept:
+
+* **State** is the server rule's named slots of tensors (``job.server_rule``,
+  :mod:`ondevice_moe.federation.rules`), carried between Flower's calls as one
+  ``ArrayRecord`` with ``<slot>/<tensor>`` names. Each device is sent
+  ``rule.message_for(slots, device)``: shared tensors only (CoMiGS Alg. 1).
+* **Sampling**: ``clients_per_round`` devices, or ``fraction_train`` of them,
+  drawn per round from the recipe seed (all devices by default).
+* **Failures**: a device that raises, does not reply in time, or sends an
+  update :func:`check_update` rejects is dropped from the round (a ``drop``
+  record; its bytes are not counted as uploaded). A round with fewer than
+  ``min_clients`` sound updates ends the method.
+* **Evaluation** every ``eval_every`` rounds and after the last one, on every
+  device; the last one also has the devices write their checkpoints.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Iterable
+from logging import INFO
+from typing import Any
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Strategy
+from flwr.supercore import log as flwr_log
+
+from ondevice_moe.errors import UserError
+from ondevice_moe.federation.aggregation import Update, check_update
+from ondevice_moe.federation.evaluation import user_values
+from ondevice_moe.federation.job import Job
+from ondevice_moe.federation.rules import Slots
+from ondevice_moe.recipe import FederationSection
+from ondevice_moe.report import MetricsLog
+
+Progress = Callable[[int, int, str], None]
+POLL_SECONDS = 0.2
+
+
+class FederationFailure(RuntimeError):
+    """A method cannot go on: too few devices connected or sent sound updates."""
+
+
+def pack_slots(slots: Slots) -> ArrayRecord:
+    """All slots in one ``ArrayRecord``, each tensor under ``<slot>/<name>``."""
+    return ArrayRecord({f"{slot}/{name}": t for slot, tensors in slots.items() for name, t in tensors.items()})
+
+
+def unpack_slots(record: ArrayRecord, empty: Slots) -> Slots:
+    """The slots of :func:`pack_slots`; ``empty`` names the slots that may hold nothing yet."""
+    slots: Slots = {slot: {} for slot in empty}
+    for key, tensor in record.to_torch_state_dict().items():
+        slot, name = key.split("/", 1)
+        slots.setdefault(slot, {})[name] = tensor
+    return slots
+
+
+def devices_per_round(federation: FederationSection, devices: int) -> int:
+    """How many devices train each round; a recipe asking the impossible is a :class:`UserError`."""
+    if federation.clients_per_round is not None:
+        count = federation.clients_per_round
+        if count > devices:
+            raise UserError(f"federation.clients_per_round is {count} but the recipe has only {devices} devices",
+                            f"use at most {devices}")
+    elif federation.fraction_train is not None:
+        count = max(1, int(federation.fraction_train * devices))
+    else:
+        count = devices
+    if federation.min_clients > count:
+        raise UserError(f"federation.min_clients is {federation.min_clients} but only {count} of {devices} devices "
+                        "train each round", f"set federation.min_clients to at most {count}")
+    return count
+
+
+def sample_devices(devices: int, count: int, seed: int, server_round: int) -> list[int]:
+    """The devices that train in ``server_round``: the same for the same seed and round."""
+    if count >= devices:
+        return list(range(devices))
+    return sorted(random.Random(f"{seed}:sample:{server_round}").sample(range(devices), count))
+
+
+def connect(grid: Grid, count: int, timeout: float) -> dict[int, int]:
+    """Device index → node id, once ``count`` devices have connected and said who they are.
+
+    Waits at most ``timeout`` seconds in all; fewer devices is a :class:`FederationFailure`
+    naming both numbers.
+    """
+    deadline = time.monotonic() + timeout
+    while len(nodes := sorted(grid.get_node_ids())) < count and time.monotonic() < deadline:
+        time.sleep(POLL_SECONDS)
+    if len(nodes) < count:
+        raise FederationFailure(f"only {len(nodes)} of the {count} devices the recipe needs connected within "
+                                f"{timeout:g}s (federation.reply_timeout_s)")
+    messages = [Message(RecordDict(), dst_node_id=node, message_type=MessageType.QUERY) for node in nodes]
+    replies = grid.send_and_receive(messages, timeout=max(deadline - time.monotonic(), POLL_SECONDS))
+    found: dict[int, int] = {}
+    for reply in replies:
+        if not reply.has_error():
+            device = int(reply.content["metrics"]["device"])
+            if device < count:
+                found.setdefault(device, reply.metadata.src_node_id)
+    if len(found) < count:
+        missing = sorted(set(range(count)) - set(found))
+        raise FederationFailure(f"only {len(found)} of the {count} devices the recipe needs answered within "
+                                f"{timeout:g}s (federation.reply_timeout_s); missing partition-ids {missing}")
+    return dict(sorted(found.items()))
+
+
+class SlotStrategy(Strategy):
+    """One method's federation: the server rule's slots, per-device messages, dropped devices.
+
+    ``nodes``: device index → Flower node id (see :func:`connect`); ``log``:
+    the run's ``metrics.jsonl``; ``progress``: called after each round with
+    ``(round, total_rounds, line)``.
+    """
+
+    def __init__(self, job: Job, nodes: dict[int, int], log: MetricsLog, progress: Progress | None = None) -> None:
+        self.job = job
+        self.rule = job.server_rule
+        self.nodes = nodes
+        self.devices = {node: device for device, node in nodes.items()}
+        self.log = log
+        self.progress = progress
+        federation = job.recipe.federation
+        self.federation = federation
+        self.total_rounds = federation.rounds if job.method.trains else 0
+        self.per_round = devices_per_round(federation, len(nodes))
+        self.slots: Slots = self.rule.initial_slots()
+        self._fresh: dict[int, dict[str, torch.Tensor]] = {}
+        self._round: dict[str, Any] = {}
+
+    def summary(self) -> None:
+        flwr_log(INFO, "\t├──> %s: %d of %d devices per round, min %d sound updates, timeout %gs",
+                 self.job.method.name, self.per_round, len(self.nodes), self.federation.min_clients,
+                 self.federation.reply_timeout_s)
+
+    # -- training -------------------------------------------------------------
+
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                        grid: Grid) -> Iterable[Message]:
+        self.slots = unpack_slots(arrays, self.rule.initial_slots())
+        sampled = sample_devices(len(self.nodes), self.per_round, self.job.recipe.seed, server_round)
+        messages = [self._message(device, MessageType.TRAIN, server_round, final=False) for device in sampled]
+        self._round = {"started": time.perf_counter(), "sampled": sampled,
+                       "bytes_down": sum(_record_bytes(m.content["arrays"]) for m in messages)}
+        return messages
+
+    def aggregate_train(self, server_round: int,
+                        replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        sound: list[Update] = []
+        drops: dict[int, str] = {}
+        bytes_up = 0
+        for device, reply in self._by_device(replies, self._round["sampled"], drops):
+            update, metrics, size, problem = self._read_update(reply, device)
+            problem = problem or check_update(update, self._reference(device), self.rule.partial_uploads)
+            if problem:
+                drops[device] = f"update rejected: {problem}"
+                continue
+            sound.append(update)
+            bytes_up += size
+            self.log.write({"method": self.job.method.name, "round": server_round, "kind": "train",
+                            "user": self._user(device), **metrics})
+        self._record_drops(server_round, "train", drops)
+        if len(sound) < self.federation.min_clients:
+            reasons = "; ".join(f"device {d}: {why}" for d, why in sorted(drops.items()))
+            raise FederationFailure(
+                f"round {server_round}: {len(sound)} of {len(self._round['sampled'])} devices sent a sound update, "
+                f"fewer than federation.min_clients={self.federation.min_clients} ({reasons or 'no replies'})")
+        self.slots = self.rule.aggregate(self.slots, sound)
+        self.log.write({"method": self.job.method.name, "round": server_round, "kind": "comm", "bytes_up": bytes_up,
+                        "bytes_down": self._round["bytes_down"], "devices": len(sound), "dropped": len(drops)})
+        self._round.update(bytes_up=bytes_up, drops=sorted(drops))
+        if not self.evaluates(server_round):
+            self._report(server_round, None)
+        return pack_slots(self.slots), MetricRecord({"devices": len(sound), "dropped": len(drops)})
+
+    # -- evaluation -----------------------------------------------------------
+
+    def evaluates(self, server_round: int) -> bool:
+        return server_round == self.total_rounds or server_round % self.federation.eval_every == 0
+
+    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                           grid: Grid) -> Iterable[Message]:
+        if not self.evaluates(server_round):
+            return []
+        self.slots = unpack_slots(arrays, self.rule.initial_slots())
+        final = server_round == self.total_rounds
+        return [self._message(device, MessageType.EVALUATE, server_round, final) for device in self.nodes]
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        drops: dict[int, str] = {}
+        headline = []
+        for _, reply in self._by_device(replies, list(self.nodes), drops):
+            metrics = dict(reply.content["metrics"])
+            for index, name in enumerate(self.job.recipe.user_names):
+                values = user_values(metrics, index)
+                if values:
+                    headline.append(values.get("test_ppl_in", values.get("score")))
+                    self.log.write({"method": self.job.method.name, "round": server_round, "kind": "eval",
+                                    "user": name, **values})
+        self._record_drops(server_round, "evaluate", drops)
+        if drops and server_round == self.total_rounds:
+            reasons = "; ".join(f"device {d}: {why}" for d, why in sorted(drops.items()))
+            raise FederationFailure(f"the final evaluation failed on {len(drops)} device(s), so their checkpoints "
+                                    f"are missing ({reasons})")
+        mean = sum(headline) / max(len(headline), 1)
+        self._report(server_round, mean)
+        return MetricRecord({"mean": mean})
+
+    def evaluate_untrained(self, grid: Grid) -> None:
+        """The single evaluation of a method that does not train (the pretrained reference)."""
+        messages = self.configure_evaluate(0, pack_slots(self.slots), ConfigRecord(), grid)
+        self.aggregate_evaluate(0, grid.send_and_receive(messages, timeout=self.federation.reply_timeout_s))
+
+    # -- helpers --------------------------------------------------------------
+
+    def _message(self, device: int, kind: str, server_round: int, final: bool) -> Message:
+        arrays = ArrayRecord(self.rule.message_for(self.slots, device))
+        config = ConfigRecord({"server-round": server_round, "final": final})
+        return Message(RecordDict({"arrays": arrays, "config": config}), dst_node_id=self.nodes[device],
+                       message_type=kind, group_id=str(server_round))
+
+    def _by_device(self, replies: Iterable[Message], expected: list[int],
+                   drops: dict[int, str]) -> list[tuple[int, Message]]:
+        """Sound replies in device order (so aggregation is deterministic); the rest go to ``drops``."""
+        answered: dict[int, Message] = {}
+        for reply in replies:
+            device = self.devices.get(reply.metadata.src_node_id)
+            if device is None:
+                continue
+            answered[device] = reply
+            if reply.has_error():
+                drops[device] = f"raised {_last_line(reply.error.reason)}"
+        for device in expected:
+            if device not in answered:
+                drops[device] = f"no reply within {self.federation.reply_timeout_s:g}s"
+        return [(device, answered[device]) for device in sorted(answered) if device not in drops]
+
+    def _read_update(self, reply: Message, device: int) -> tuple[Update, dict[str, Any], int, str | None]:
+        """The update a reply carries, its train metrics, its size in bytes, and why it is malformed."""
+        content = reply.content
+        try:
+            metrics = dict(content["metrics"])
+            arrays = content["arrays"]
+            usage = dict(content["usage"]) if "usage" in content else {}
+            update = Update(device, dict(arrays.to_torch_state_dict()), int(metrics["num-examples"]), usage)
+        except (KeyError, TypeError, ValueError) as error:
+            return Update(device, {}, 0), {}, 0, f"malformed reply ({type(error).__name__}: {error})"
+        size = _record_bytes(arrays) + (content["usage"].count_bytes() if "usage" in content else 0)
+        metrics.pop("device", None)
+        return update, metrics, size, None
+
+    def _reference(self, device: int) -> dict[str, torch.Tensor]:
+        """Names, shapes and dtypes device ``device`` may upload: the rule's reference once
+        the slots hold something, before that the upload of a freshly built device model."""
+        reference = self.rule.reference(self.slots, device)
+        if reference:
+            return reference
+        if device not in self._fresh:
+            from ondevice_moe.federation import device as dev
+
+            trainer = dev.restore_trainer(self.job, device, None, RecordDict())
+            tensors, _ = dev.upload(self.job, trainer)
+            self._fresh[device] = {n: torch.empty(t.shape, dtype=t.dtype, device="meta") for n, t in tensors.items()}
+        return self._fresh[device]
+
+    def _record_drops(self, server_round: int, phase: str, drops: dict[int, str]) -> None:
+        for device, reason in sorted(drops.items()):
+            self.log.write({"method": self.job.method.name, "round": server_round, "kind": "drop", "phase": phase,
+                            "device": device, "user": self._user(device), "reason": reason})
+
+    def _user(self, device: int) -> str:
+        return "all" if self.job.method.centralized else self.job.recipe.user_names[device]
+
+    def _report(self, server_round: int, mean: float | None) -> None:
+        if self.progress is None:
+            return
+        if self.total_rounds == 0:
+            self.progress(0, 0, f"evaluated: mean {mean:.2f}")
+            return
+        parts = [f"round {server_round}"]
+        if mean is not None:
+            label = "mean test ppl" if self.job.recipe.is_language_modelling else "mean score"
+            parts.append(f"{label} {mean:.2f}")
+        parts.append(f"upload {self._round['bytes_up'] / 1024:.0f} KiB")
+        parts.append(f"{time.perf_counter() - self._round['started']:.0f}s")
+        if self._round["drops"]:
+            parts.append("dropped device " + ", ".join(str(d) for d in self._round["drops"]))
+        self.progress(server_round, self.total_rounds, ", ".join(parts))
+
+
+def _last_line(reason: str) -> str:
+    lines = [line.strip() for line in reason.replace("\\n", "\n").splitlines() if line.strip()]
+    return lines[-1] if lines else reason
+
+
+def _record_bytes(record: ArrayRecord) -> int:
+    return int(sum(array.numpy().nbytes for array in record.values()))

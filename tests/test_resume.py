@@ -1,0 +1,111 @@
+"""Honest resume: a run killed at any point and rerun ends as if never interrupted;
+run folders that cannot be used end in one clear UserError."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ondevice_moe import runner
+from ondevice_moe.errors import UserError
+from ondevice_moe.recipe import load_recipe
+from ondevice_moe.report import MetricsLog
+
+ROOT = Path(__file__).parent.parent
+TINY = Path(__file__).parent / "recipes" / "tiny.yaml"
+CLI = Path(sys.executable).parent / "ondevice-moe"
+
+
+def trimmed_recipe(path: Path) -> Path:
+    raw = yaml.safe_load(TINY.read_text())
+    raw["methods"] = ["pretrained", "fedavg"]  # 4 + 15 metrics lines
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def finetune(recipe: Path, output: Path, kill_at_line: int | None = None) -> subprocess.CompletedProcess | int:
+    """Run the CLI; with ``kill_at_line``, SIGKILL it once metrics.jsonl has that many lines."""
+    command = [str(CLI), "finetune", str(recipe), "--output", str(output)]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "FLWR_TELEMETRY_ENABLED": "0"}
+    if kill_at_line is None:
+        return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               start_new_session=True)
+    log = output / "metrics.jsonl"
+    while process.poll() is None:
+        if log.exists() and log.read_text().count("\n") >= kill_at_line:
+            os.killpg(process.pid, signal.SIGKILL)  # the CLI and the Ray workers it started
+            break
+        time.sleep(0.02)
+    return process.wait()
+
+
+@pytest.mark.slow
+def test_killed_runs_resume_to_the_same_summary(tmp_path):
+    recipe = trimmed_recipe(tmp_path / "trimmed.yaml")
+    reference = finetune(recipe, tmp_path / "reference")
+    assert reference.returncode == 0, reference.stdout + reference.stderr
+    expected = json.loads((tmp_path / "reference" / "summary.json").read_text())
+
+    resumed = tmp_path / "resumed"
+    # Mid round 1 of fedavg (pretrained finished), then between fedavg's final eval lines and its done record.
+    for kill_at in (6, 17):
+        assert finetune(recipe, resumed, kill_at) == -signal.SIGKILL
+        assert "fedavg" not in MetricsLog(resumed / "metrics.jsonl").finished()
+    final = finetune(recipe, resumed)
+    assert final.returncode == 0, final.stdout + final.stderr
+    assert json.loads((resumed / "summary.json").read_text()) == expected
+    records = MetricsLog(resumed / "metrics.jsonl").read()
+    assert [r["kind"] for r in records].count("done") == 2
+    assert (resumed / "checkpoints" / "fedavg" / "device_2.safetensors").exists()
+
+
+def test_method_without_done_record_runs_again(tmp_path, monkeypatch):
+    recipe = load_recipe(TINY)
+    run_dir = runner.prepare_run_dir(recipe, tmp_path / "run")
+    log = MetricsLog(run_dir / "metrics.jsonl")
+    for user in recipe.user_names:  # final evaluation logged, killed before the done record
+        log.write({"method": "pretrained", "round": 0, "kind": "eval", "user": user, "test_ppl_in": 9.0,
+                   "test_ppl_out": 9.0})
+    simulated = []
+    monkeypatch.setattr(runner, "check_inputs", lambda _: None)
+    monkeypatch.setattr(runner, "_simulate", lambda job, _: simulated.append(job.method.name))
+    with pytest.raises(UserError, match="method 'pretrained' did not finish"):
+        runner.run_recipe(recipe, run_dir)
+    assert simulated == ["pretrained"]
+    assert not [r for r in log.read() if r["kind"] == "eval"]  # the partial attempt was discarded
+
+
+def test_line_cut_short_by_a_kill_is_repaired(tmp_path):
+    recipe = load_recipe(TINY)
+    run_dir = runner.prepare_run_dir(recipe, tmp_path / "run")
+    (run_dir / "metrics.jsonl").write_text('{"kind": "done", "method": "pretrained", "rounds": 0}\n{"kind": "ev')
+    runner.prepare_run_dir(recipe, run_dir)
+    assert (run_dir / "metrics.jsonl").read_text() == '{"kind": "done", "method": "pretrained", "rounds": 0}\n'
+
+
+@pytest.mark.parametrize("damage", ["file", "garbage-log", "binary-recipe", "recipe-is-a-folder"])
+def test_unusable_run_folder_is_one_user_error(tmp_path, damage):
+    recipe = load_recipe(TINY)
+    run_dir = tmp_path / "run"
+    if damage == "file":
+        run_dir.write_text("not a folder")
+    else:
+        runner.prepare_run_dir(recipe, run_dir)
+    if damage == "garbage-log":
+        (run_dir / "metrics.jsonl").write_text('{"kind": "done", "method": "x"}\n\x00garbage\n{"kind": "done"}\n')
+    if damage == "binary-recipe":
+        (run_dir / "recipe.yaml").write_bytes(b"\xff\xfe\x00binary")
+    if damage == "recipe-is-a-folder":
+        (run_dir / "recipe.yaml").unlink()
+        (run_dir / "recipe.yaml").mkdir()
+    with pytest.raises(UserError) as error:
+        runner.prepare_run_dir(recipe, run_dir)
+    assert str(run_dir) in error.value.problem
+    assert error.value.fix
