@@ -11,7 +11,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-from rich.table import Table
+from rich.table import Column, Table
 
 from ondevice_moe import __version__
 from ondevice_moe.errors import UserError
@@ -73,9 +73,7 @@ def finetune(
         what = f"task {loaded.task.name}, " if loaded.task else ""
         console.print(f"[bold]{loaded.name}[/]: {what}{len(loaded.user_names)} devices, model {loaded.model.name}, "
                       f"methods {', '.join(Job(loaded, i, Path()).method.name for i in range(len(loaded.methods)))}")
-        with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                      TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[status]}"),
-                      console=console) as progress:
+        with _progress() as progress:
             tasks: dict[str, int] = {}
 
             def on_method(name: str, index: int, count: int) -> None:
@@ -89,6 +87,17 @@ def finetune(
         _fail(error)
     _print_summary(result.summary)
     console.print(f"report: {result.report}\nsummary: {result.run_dir / 'summary.json'}")
+
+
+def _progress() -> Progress:
+    """Rounds per method: bar, elapsed and remaining time (once the total is known), then a status line
+    that is cut, not wrapped, on narrow terminals."""
+    status = Column(no_wrap=True, overflow="ellipsis", ratio=1)
+    return Progress(TextColumn("{task.description}"), BarColumn(bar_width=20),
+                    TextColumn("{task.completed}/{task.total}"),
+                    TimeElapsedColumn(table_column=Column(no_wrap=True, min_width=7)),
+                    TimeRemainingColumn(table_column=Column(no_wrap=True, min_width=7)),
+                    TextColumn("{task.fields[status]}", table_column=status), console=console, expand=True)
 
 
 @app.command("eval")

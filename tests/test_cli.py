@@ -86,3 +86,11 @@ def test_plan_of_a_classification_recipe():
     assert len(plans["hermes"].devices) == 3
     assert fed_lora.uploaded == fed_lora.trainable > 0  # LoRA and the task head
     assert 0 < hermes.uploaded < hermes.trainable  # the routers are private
+
+
+def test_progress_shows_time_remaining():
+    from rich.progress import TimeRemainingColumn
+
+    from ondevice_moe.cli import _progress
+
+    assert any(isinstance(column, TimeRemainingColumn) for column in _progress().columns)
