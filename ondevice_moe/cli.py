@@ -13,7 +13,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Column, Table
 
-from ondevice_moe import __version__
+from ondevice_moe import BUNDLED_RECIPES, __version__
 from ondevice_moe.errors import UserError
 
 if TYPE_CHECKING:
@@ -29,7 +29,6 @@ recipes_app = typer.Typer(help="Bundled recipes.", no_args_is_help=True)
 app.add_typer(recipes_app, name="recipes")
 console = Console()
 
-RECIPES_DIR = Path(__file__).resolve().parent / "recipes"
 MAX_USER_COLUMNS = 5
 Device = Literal["auto", "cpu", "cuda"]
 DEVICE_HELP = "Where the model runs (recipe key model.device): auto picks CUDA when present."
@@ -141,10 +140,10 @@ def list_recipes() -> None:
     """List the bundled recipes with their descriptions."""
     import yaml
 
-    table = Table(title=f"Recipes in {RECIPES_DIR}")
+    table = Table(title=f"Recipes in {BUNDLED_RECIPES}")
     table.add_column("recipe")
     table.add_column("description")
-    for path in sorted(RECIPES_DIR.glob("*.yaml")):
+    for path in sorted(BUNDLED_RECIPES.glob("*.yaml")):
         description = (yaml.safe_load(path.read_text(encoding="utf-8")) or {}).get("description", "")
         table.add_row(path.name, str(description).strip().splitlines()[0] if description else "")
     console.print(table)
@@ -187,11 +186,11 @@ def _print_yaml(text: str) -> None:
 
 def _bundled_recipe(name: str) -> Path:
     """The bundled recipe called ``name`` (with or without ``.yaml``)."""
-    path = RECIPES_DIR / Path(name).name
+    path = BUNDLED_RECIPES / Path(name).name
     for candidate in (path, path.with_name(f"{path.name}.yaml")):
         if candidate.is_file():
             return candidate
-    names = ", ".join(p.stem for p in sorted(RECIPES_DIR.glob("*.yaml")))
+    names = ", ".join(p.stem for p in sorted(BUNDLED_RECIPES.glob("*.yaml")))
     raise UserError(f"no bundled recipe '{name}'", f"use one of: {names}")
 
 

@@ -74,6 +74,9 @@ METRICS: dict[str, Callable[[Values, Values], float]] = {
 }
 
 
+LOWER_IS_BETTER = frozenset({"mse"})
+
+
 def task_score(metric: str, predictions: Values, labels: Values) -> float:
     """The named metric (a key of :data:`METRICS`) of ``predictions`` against ``labels``."""
     if metric not in METRICS:
@@ -105,5 +108,5 @@ def _average_ranks(values: np.ndarray) -> np.ndarray:
     return (first_rank + (counts - 1) / 2)[groups]
 
 
-__all__ = ["METRICS", "accuracy", "binary_f1", "matthews_correlation", "mean_squared_error", "spearman",
-           "task_score"]
+__all__ = ["LOWER_IS_BETTER", "METRICS", "accuracy", "binary_f1", "matthews_correlation", "mean_squared_error",
+           "spearman", "task_score"]

@@ -20,8 +20,9 @@ from ondevice_moe.errors import UserError
 from ondevice_moe.methods.base import Method, MethodContext, MethodOptions
 from ondevice_moe.methods.comigs.config import LoRASizes
 from ondevice_moe.methods.hermes.config import HermesSizes
-from ondevice_moe.methods.registry import CLASSIFICATION, LANGUAGE, METHODS, build_method, method_options
+from ondevice_moe.methods.registry import CLASSIFICATION, LANGUAGE, METHODS, SMALL, build_method, method_options
 from ondevice_moe.models.registry import MODEL_ALIASES
+from ondevice_moe.models.small import SMALL_MODELS
 from ondevice_moe.overrides import apply_override
 
 
@@ -162,8 +163,11 @@ class TaskSection(_Section):
     def _fits_task(self) -> TaskSection:
         from ondevice_moe.data.small import check_small_options
 
-        file_keys = sorted({"text_columns", "label_column", "labels", "metric"} & self.model_fields_set)
-        small_keys = sorted({"clusters", "data_fraction"} & self.model_fields_set)
+        # Keys set away from their defaults (a resolved recipe round-trips with every key written out).
+        changed = {key for key, field in type(self).model_fields.items()
+                   if getattr(self, key) != field.get_default(call_default_factory=True)}
+        file_keys = sorted({"text_columns", "label_column", "labels", "metric"} & changed)
+        small_keys = sorted({"clusters", "data_fraction"} & changed)
         if self.path is None and self.name not in TASKS:
             raise ValueError(f"unknown task '{self.name}'; use one of {', '.join(TASKS)}, "
                              "or give `path` (and `labels`) to read your own labelled CSV / JSONL file")
@@ -302,7 +306,11 @@ class Recipe(_Section):
         if (self.data is None) == (self.task is None):
             raise ValueError("give either `data` (language modelling, one domain per user) "
                              "or `task` (classification with Dirichlet clients), not both or neither")
-        kind = LANGUAGE if self.is_language_modelling else CLASSIFICATION
+        kind = self.task_kind
+        small_model = self.model.name in SMALL_MODELS
+        if small_model != (kind == SMALL):
+            raise ValueError(f"model '{self.model.name}' does not fit a {kind} task: the small models "
+                             f"({', '.join(SMALL_MODELS)}) go with the small tasks, language models with text")
         wrong = [m.name for m in self.methods if kind not in METHODS[m.name].tasks]
         if wrong:
             valid = [name for name, spec in METHODS.items() if kind in spec.tasks]
@@ -348,6 +356,13 @@ class Recipe(_Section):
             raise ValueError(f"{error.problem} ({error.fix})") from None
 
     @property
+    def task_kind(self) -> str:
+        """Language modelling, text classification, or a small-model task (vectors and images)."""
+        if self.is_language_modelling:
+            return LANGUAGE
+        return CLASSIFICATION if self.task.spec().is_text else SMALL
+
+    @property
     def is_language_modelling(self) -> bool:
         return self.data is not None
 
@@ -370,6 +385,8 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None, seed: int 
         raw = yaml.safe_load(path.read_text(encoding="utf-8"))
     except (yaml.YAMLError, UnicodeDecodeError) as error:
         raise UserError(f"recipe {path} is not valid YAML: {error}", "fix the YAML syntax") from None
+    except OSError as error:
+        raise UserError(f"recipe {path} cannot be read ({error.strerror})", "check its permissions") from None
     if not isinstance(raw, dict):
         raise UserError(f"recipe {path} must be a mapping of keys to values", "see recipes/demo.yaml for the shape")
     for override in overrides or []:
@@ -396,7 +413,8 @@ def _describe(error: ValidationError, source: str) -> str:
             lines.append(f"  - {location}: unknown key{allowed}")
         else:
             message = item["msg"].removeprefix("Value error, ")
-            lines.append(f"  - {location}: {message} (got {item.get('input')!r})")
+            got = f" (got {item.get('input')!r})" if item["loc"] else ""  # a whole-recipe problem: no echo
+            lines.append(f"  - {location or 'recipe'}: {message}{got}")
     return "\n".join(lines)
 
 

@@ -6,7 +6,8 @@ import yaml
 from typer.testing import CliRunner
 
 import ondevice_moe
-from ondevice_moe.cli import RECIPES_DIR, app
+from ondevice_moe import BUNDLED_RECIPES
+from ondevice_moe.cli import app
 from ondevice_moe.plan import plan_recipe
 from ondevice_moe.recipe import load_recipe
 
@@ -20,17 +21,17 @@ def test_version():
 
 
 def test_recipes_list_reads_the_package_folder():
-    assert Path(ondevice_moe.__file__).parent / "recipes" == RECIPES_DIR
+    assert Path(ondevice_moe.__file__).parent / "recipes" == BUNDLED_RECIPES
     result = runner.invoke(app, ["recipes", "list"])
     assert result.exit_code == 0
-    for path in RECIPES_DIR.glob("*.yaml"):
+    for path in BUNDLED_RECIPES.glob("*.yaml"):
         assert path.name in result.output.replace("\n", "")
 
 
 def test_recipes_show_prints_the_yaml_unchanged():
     result = runner.invoke(app, ["recipes", "show", "demo"])
     assert result.exit_code == 0
-    assert result.output.rstrip("\n") == (RECIPES_DIR / "demo.yaml").read_text().rstrip("\n")
+    assert result.output.rstrip("\n") == (BUNDLED_RECIPES / "demo.yaml").read_text().rstrip("\n")
 
 
 def test_recipes_show_unknown_name_lists_the_recipes():
@@ -40,7 +41,7 @@ def test_recipes_show_unknown_name_lists_the_recipes():
 
 
 def test_recipes_copy_refuses_to_overwrite_without_force(tmp_path):
-    bundled = (RECIPES_DIR / "demo.yaml").read_text()
+    bundled = (BUNDLED_RECIPES / "demo.yaml").read_text()
     assert runner.invoke(app, ["recipes", "copy", "demo", str(tmp_path)]).exit_code == 0
     copy = tmp_path / "demo.yaml"
     assert copy.read_text() == bundled

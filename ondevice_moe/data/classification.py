@@ -43,7 +43,7 @@ class FederatedTask:
 
 
 def build_federated_task(
-    name: str,
+    name: str | TaskSpec,
     num_clients: int,
     alpha: float,
     tokenizer,

@@ -15,8 +15,8 @@ from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 from torch import nn
 
 from ondevice_moe.data.classification import FederatedTask, build_federated_task
+from ondevice_moe.data.small import SmallFederatedTask, build_small_task
 from ondevice_moe.data.splits import SourceSpec, UserData, build_user_data
-from ondevice_moe.data.tasks import get_task
 from ondevice_moe.errors import UserError
 from ondevice_moe.federation.job import Job
 from ondevice_moe.layout import attach_layout, hermes_routers
@@ -29,29 +29,38 @@ OPTIMIZER_KEY = "optimizer"
 
 
 @lru_cache(maxsize=2)
-def base_model(name: str, dtype: str, quantization: str, num_labels: int | None, seed: int, device: str
-               ) -> LoadedModel:
+def base_model(name: str, dtype: str, quantization: str, num_labels: int | None, seed: int, device: str,
+               regression: bool | None = None, input_shape: tuple[int, ...] | None = None) -> LoadedModel:
     """The frozen base model, loaded once per process."""
-    return load_base_model(name, dtype, quantization, num_labels, seed, device)
+    return load_base_model(name, dtype, quantization, num_labels, seed, device, regression=regression,
+                           input_shape=input_shape)
 
 
 def job_base_model(job: Job) -> LoadedModel:
     model = job.recipe.model
-    num_labels = get_task(job.recipe.task.name).num_labels if job.recipe.task else None
-    return base_model(model.name, model.dtype, model.quantization, num_labels, job.recipe.seed, model.device)
+    if job.recipe.task is None:
+        return base_model(model.name, model.dtype, model.quantization, None, job.recipe.seed, model.device)
+    spec = job.recipe.task.spec()
+    return base_model(model.name, model.dtype, model.quantization, spec.num_labels, job.recipe.seed, model.device,
+                      spec.is_regression, spec.input_shape)
 
 
-_TASKS: dict[str, FederatedTask] = {}
+_TASKS: dict[str, FederatedTask | SmallFederatedTask] = {}
 
 
-def federated_task(job: Job) -> FederatedTask:
-    """The classification task dealt to the clients, built once per process."""
+def federated_task(job: Job) -> FederatedTask | SmallFederatedTask:
+    """The task dealt to the clients, built once per process: texts (tokenized) or small tensors."""
     task = job.recipe.task
     key = task.model_dump_json() + job.recipe.model.name + str(job.recipe.seed)
     if key not in _TASKS:
-        _TASKS[key] = build_federated_task(
-            task.name, task.clients, task.dirichlet_alpha, job_base_model(job).tokenizer, task.max_length,
-            job.recipe.seed, task.max_train_examples, task.max_test_examples)
+        spec = task.spec()
+        if spec.is_text:
+            _TASKS[key] = build_federated_task(
+                spec, task.clients, task.dirichlet_alpha, job_base_model(job).tokenizer, task.max_length,
+                job.recipe.seed, task.max_train_examples, task.max_test_examples)
+        else:
+            _TASKS[key] = build_small_task(task.name, task.clients, job.recipe.seed, task.clusters,
+                                           task.dirichlet_alpha, task.data_fraction)
     return _TASKS[key]
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from flwr.app import Context
 
+from ondevice_moe import BUNDLED_RECIPES
 from ondevice_moe.federation.rules import ServerRule
 from ondevice_moe.methods import Method
 from ondevice_moe.recipe import Recipe, load_recipe, validate_recipe
@@ -70,11 +71,15 @@ _JOBS: dict[str, Job] = {}
 
 
 def _locate(recipe: str) -> Path:
-    """A recipe path as given, else relative to the app folder (``flwr run`` runs elsewhere)."""
+    """A recipe path as given, else relative to the app folder (``flwr run`` runs elsewhere), else a
+    bundled recipe of that name (Flower's app package skips the top-level ``recipes/`` link)."""
     path = Path(recipe)
     if path.is_absolute() or path.exists():
         return path
-    return Path(__file__).resolve().parents[2] / path
+    app_dir = Path(__file__).resolve().parents[2]
+    if (app_dir / path).exists():
+        return app_dir / path
+    return BUNDLED_RECIPES / path.name
 
 
 def job_from_context(context: Context) -> Job:

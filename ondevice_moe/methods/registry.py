@@ -25,7 +25,7 @@ from ondevice_moe.methods.hermes.method import hermes
 from ondevice_moe.methods.mixture.config import MixtureOptions
 from ondevice_moe.methods.mixture.method import mixture
 
-LANGUAGE, CLASSIFICATION = "language-modelling", "classification"
+LANGUAGE, CLASSIFICATION, SMALL = "language-modelling", "classification", "small-model"
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,8 @@ class MethodSpec:
 
 
 _LM = frozenset({LANGUAGE})
-_ANY = frozenset({LANGUAGE, CLASSIFICATION})
+_TEXT = frozenset({LANGUAGE, CLASSIFICATION})
+_ANY = frozenset({LANGUAGE, CLASSIFICATION, SMALL})
 
 METHODS: dict[str, MethodSpec] = {
     "pretrained": MethodSpec(LoRABaselineOptions, comigs_baselines.pretrained, _ANY, "experts"),
@@ -52,13 +53,13 @@ METHODS: dict[str, MethodSpec] = {
     "fedsa-lora": MethodSpec(LoRABaselineOptions, comigs_baselines.fedsa_lora, _LM, "experts"),
     "centralized": MethodSpec(LoRABaselineOptions, comigs_baselines.centralized, _LM, "experts"),
     "comigs": MethodSpec(CoMiGSOptions, comigs, _LM, "experts"),
-    "hermes": MethodSpec(HermesOptions, hermes, _ANY, "hermes"),
+    "hermes": MethodSpec(HermesOptions, hermes, _TEXT, "hermes"),
     "fed-ft": MethodSpec(HermesBaselineOptions, hermes_baselines.fed_ft, _ANY, "hermes"),
-    "fed-lora": MethodSpec(HermesBaselineOptions, hermes_baselines.single_kind("lora"), _ANY, "hermes"),
-    "fed-adapter": MethodSpec(HermesBaselineOptions, hermes_baselines.single_kind("adapter"), _ANY, "hermes"),
-    "fed-prefix": MethodSpec(HermesBaselineOptions, hermes_baselines.single_kind("prefix"), _ANY, "hermes"),
-    "fed-unipelt": MethodSpec(HermesBaselineOptions, hermes_baselines.fed_unipelt, _ANY, "hermes"),
-    "mixture": MethodSpec(MixtureOptions, mixture, _ANY),
+    "fed-lora": MethodSpec(HermesBaselineOptions, hermes_baselines.single_kind("lora"), _TEXT, "hermes"),
+    "fed-adapter": MethodSpec(HermesBaselineOptions, hermes_baselines.single_kind("adapter"), _TEXT, "hermes"),
+    "fed-prefix": MethodSpec(HermesBaselineOptions, hermes_baselines.single_kind("prefix"), _TEXT, "hermes"),
+    "fed-unipelt": MethodSpec(HermesBaselineOptions, hermes_baselines.fed_unipelt, _TEXT, "hermes"),
+    "mixture": MethodSpec(MixtureOptions, mixture, _TEXT),
 }
 
 
