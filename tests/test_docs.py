@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ondevice_moe.cli import RECIPES_DIR
+from ondevice_moe import BUNDLED_RECIPES
 from ondevice_moe.data.sources import OFFLINE_SOURCES, documents
 from ondevice_moe.errors import UserError
 from ondevice_moe.recipe import Recipe, validate_recipe
@@ -89,5 +89,5 @@ def test_documented_categories_are_real_labels():
 def test_recipe_paths_in_the_docs_exist():
     named = {name for doc in DOCS for name in re.findall(r"(?<![\w/])recipes/([\w.-]+\.yaml)", doc.read_text())}
     assert named, "the docs name no recipes"
-    missing = sorted(name for name in named if not (RECIPES_DIR / name).is_file())
+    missing = sorted(name for name in named if not (BUNDLED_RECIPES / name).is_file())
     assert not missing, f"the docs name recipes that are not bundled: {missing}"

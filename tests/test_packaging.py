@@ -6,14 +6,14 @@ import sys
 import zipfile
 from pathlib import Path
 
-from ondevice_moe.cli import RECIPES_DIR
+from ondevice_moe import BUNDLED_RECIPES
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_top_level_recipes_path_is_the_package_folder():
     # README, Makefile, pyproject's flwr run config and the tests name recipes/<file>.yaml
-    assert (ROOT / "recipes").resolve() == RECIPES_DIR
+    assert (ROOT / "recipes").resolve() == BUNDLED_RECIPES
     assert (ROOT / "recipes" / "demo.yaml").is_file()
 
 
@@ -31,6 +31,6 @@ def test_wheel_contains_the_recipes_and_the_command(tmp_path):
         names = archive.namelist()
         entry_points = next(archive.read(n).decode() for n in names if n.endswith(".dist-info/entry_points.txt"))
     recipes = {Path(n).name for n in names if n.startswith("ondevice_moe/recipes/") and n.endswith(".yaml")}
-    assert recipes == {path.name for path in RECIPES_DIR.glob("*.yaml")}
+    assert recipes == {path.name for path in BUNDLED_RECIPES.glob("*.yaml")}
     assert "demo.yaml" in recipes
     assert "ondevice-moe = ondevice_moe.cli:main" in entry_points

@@ -2,12 +2,12 @@ from pathlib import Path
 
 import pytest
 
-from ondevice_moe.cli import RECIPES_DIR
+from ondevice_moe import BUNDLED_RECIPES
 from ondevice_moe.errors import UserError
 from ondevice_moe.federation.job import Job
 from ondevice_moe.recipe import apply_override, load_recipe
 
-RECIPES = sorted(RECIPES_DIR.glob("*.yaml"))
+RECIPES = sorted(BUNDLED_RECIPES.glob("*.yaml"))
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=[p.stem for p in RECIPES])
@@ -19,7 +19,7 @@ def test_bundled_recipes_validate_and_resolve(path):
 
 
 def test_paper_recipes_use_appendix_b12_hyper_parameters():
-    recipe = load_recipe(RECIPES_DIR / "comigs-gpt2-slimpajama.yaml")
+    recipe = load_recipe(BUNDLED_RECIPES / "comigs-gpt2-slimpajama.yaml")
     assert (recipe.experts.lora_rank, recipe.experts.lora_alpha) == (8, 16)
     assert (recipe.training.router_period, recipe.training.router_steps) == (30, 10)
     assert (recipe.data.batch_size, recipe.data.context_length, recipe.federation.local_iterations) == (64, 128, 10)
@@ -39,7 +39,7 @@ def test_overrides_reach_nested_keys_and_list_items():
 
 
 def test_per_user_budgets_override_the_defaults():
-    recipe = load_recipe(RECIPES_DIR / "comigs-gpt2-wikipedia.yaml")
+    recipe = load_recipe(BUNDLED_RECIPES / "comigs-gpt2-wikipedia.yaml")
     assert recipe.data.budgets(0)["train"] == 557_662
     assert recipe.data.budgets(3)["test"] == 172_547
 
