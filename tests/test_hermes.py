@@ -100,3 +100,18 @@ def test_bundled_classification_recipes_hold_hermes_and_every_baseline():
     names = {recipe.method_name(index) for index in range(len(recipe.methods))}
     assert {"hermes", "fed-ft", "fed-lora", "fed-adapter", "fed-prefix", "fed-unipelt"} <= names
     assert {"hermes-w/o-A", "hermes-w/o-K", "hermes-w/o-G", "hermes-w/o-F"} <= names
+
+
+def test_the_upload_reference_holds_every_expert_a_client_may_send():
+    """Round 1's check of a Hermes update must know experts no token chose yet."""
+    from ondevice_moe.federation.device import upload_reference
+    from ondevice_moe.federation.job import Job
+    from ondevice_moe.recipe import load_recipe
+
+    job = Job(load_recipe(Path(__file__).parent / "recipes" / "tiny-classification.yaml"), 0, Path("."))
+    reference = upload_reference(job, 0)
+    assert job.method.name == "hermes"
+    for kind in ("lora_A", "adapters.shared_1.up", "prefix.shared_2.key", "classifier.weight"):
+        assert any(kind in name for name in reference), kind
+    assert not any("router" in name for name in reference)
+    assert all(tensor.device.type == "meta" for tensor in reference.values())

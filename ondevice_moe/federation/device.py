@@ -20,7 +20,7 @@ from ondevice_moe.data.splits import SourceSpec, UserData, build_user_data
 from ondevice_moe.errors import UserError
 from ondevice_moe.federation.job import Job
 from ondevice_moe.layout import attach_layout, hermes_routers
-from ondevice_moe.methods import Role
+from ondevice_moe.methods import Method, Role
 from ondevice_moe.models import LoadedModel, load_base_model
 from ondevice_moe.training import DeviceTrainer, trainable_state
 
@@ -144,6 +144,11 @@ def save_private_state(trainer: DeviceTrainer, state: RecordDict) -> None:
     state[OPTIMIZER_KEY] = ConfigRecord({"blob": buffer.getvalue()})
 
 
+def travels(method: Method, name: str) -> bool:
+    """Whether a trained tensor may leave the device: shared and trained by the method."""
+    return method.role_of(name) is Role.SHARED and method.is_trainable(name)
+
+
 def shared_state(trainer: DeviceTrainer) -> dict[str, torch.Tensor]:
     """The tensors that leave the device: shared and trainable.
 
@@ -151,12 +156,20 @@ def shared_state(trainer: DeviceTrainer) -> dict[str, torch.Tensor]:
     the round stay home.
     """
     usage = expert_usage(trainer.model)
+    selected_only = trainer.method.sharing.selected_only
     return {
         name: tensor.clone()
         for name, tensor in trainable_state(trainer.model).items()
-        if trainer.method.role_of(name) is Role.SHARED and trainer.method.is_trainable(name)
-        and not (trainer.method.sharing.selected_only and usage.get(name, 1.0) == 0)
+        if travels(trainer.method, name) and not (selected_only and usage.get(name, 1.0) == 0)
     }
+
+
+def upload_reference(job: Job, device: int) -> dict[str, torch.Tensor]:
+    """Names, shapes and dtypes of every tensor the device may upload (whatever its usage),
+    as empty tensors on the meta device: what the server checks an update against."""
+    model = build_model(job, device)
+    return {name: torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+            for name, tensor in trainable_state(model).items() if travels(job.method, name)}
 
 
 def upload(job: Job, trainer: DeviceTrainer) -> tuple[dict[str, torch.Tensor], dict[str, float] | None]:

@@ -267,9 +267,7 @@ class SlotStrategy(Strategy):
         if device not in self._fresh:
             from ondevice_moe.federation import device as dev
 
-            trainer = dev.restore_trainer(self.job, device, None, RecordDict())
-            tensors, _ = dev.upload(self.job, trainer)
-            self._fresh[device] = {n: torch.empty(t.shape, dtype=t.dtype, device="meta") for n, t in tensors.items()}
+            self._fresh[device] = dev.upload_reference(self.job, device)
         return self._fresh[device]
 
     def _record_drops(self, server_round: int, phase: str, drops: dict[int, str]) -> None:
