@@ -109,25 +109,21 @@ def evaluate(
     from ondevice_moe.runner import evaluate_run
 
     try:
-        # `None` keeps the device of the run's recipe
-        summary = evaluate_run(run, suite, **({"device": device} if device else {}))
+        summary = evaluate_run(run, suite, device)  # None keeps the device of the run's recipe
     except UserError as error:
         _fail(error)
     _print_summary(summary)
 
 
 def _print_summary(summary: dict) -> None:
-    from ondevice_moe.report import table_rows
+    from ondevice_moe.report import score_title, table_rows
 
     header, rows = table_rows(summary)
     users = len(summary["users"])
     if users > MAX_USER_COLUMNS:  # keep the console table readable; report.md has every client
         header = [header[0], *header[1 + users :]]
         rows = [[row[0], *row[1 + users :]] for row in rows]
-    language = any("mean_in" in m for m in summary["methods"].values())
-    title = "Test perplexity after the last round (lower is better)" if language else \
-        "Test score ×100 after the last round (higher is better)"
-    table = Table(title=title)
+    table = Table(title=score_title(summary))
     for column in header:
         table.add_column(column, justify="left" if column == "method" else "right")
     for row in rows:
@@ -218,7 +214,7 @@ def _print_plan(recipe: Recipe, output: Path | None) -> None:
     import yaml
 
     from ondevice_moe.plan import plan_recipe
-    from ondevice_moe.report import _bytes  # the report's byte format (B, KiB, MiB, GiB)
+    from ondevice_moe.report import format_bytes
 
     _print_yaml(yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False))
     federation = recipe.federation
@@ -232,7 +228,7 @@ def _print_plan(recipe: Recipe, output: Path | None) -> None:
     for method in plan_recipe(recipe, Path(output or Path("runs") / recipe.name)):
         for devices, plan in _group_devices(method.devices):
             table.add_row(method.name, devices, f"{plan.trainable:,}", f"{plan.uploaded:,}",
-                          _bytes(plan.uploaded_bytes))
+                          format_bytes(plan.uploaded_bytes))
     console.print(table)
     console.print("dry run: nothing was trained")
 

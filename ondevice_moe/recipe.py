@@ -356,6 +356,11 @@ class Recipe(_Section):
             raise ValueError(f"{error.problem} ({error.fix})") from None
 
     @property
+    def metric(self) -> str:
+        """What the run is scored by: ``perplexity`` for language modelling, else the task's metric."""
+        return "perplexity" if self.is_language_modelling else self.task.spec().metric
+
+    @property
     def task_kind(self) -> str:
         """Language modelling, text classification, or a small-model task (vectors and images)."""
         if self.is_language_modelling:

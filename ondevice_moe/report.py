@@ -16,6 +16,8 @@ from typing import Any
 
 import matplotlib
 
+from ondevice_moe.metrics import LOWER_IS_BETTER
+
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
@@ -91,14 +93,16 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
 VALUE_KEYS = {"test_ppl_in": "in", "test_ppl_out": "out", "score": "score"}
 
 
-def summarize(records: list[dict[str, Any]], methods: list[str], users: list[str]) -> dict[str, Any]:
+def summarize(records: list[dict[str, Any]], methods: list[str], users: list[str], metric: str = "perplexity"
+              ) -> dict[str, Any]:
     """Final per-user values and their mean (std) over users, for each method that finished.
 
-    Language modelling: ``in`` / ``out`` test perplexity; classification: the
-    task's ``score`` (×100). ``dropped``: how often each user's device was
+    Language modelling: ``in`` / ``out`` test perplexity; other tasks: the
+    task's ``metric`` as ``score`` (×100 for fractions such as accuracy, as it
+    is for errors such as MSE). ``dropped``: how often each user's device was
     dropped from a round (it raised, timed out or sent a rejected update).
     """
-    summary: dict[str, Any] = {"users": users, "methods": {}}
+    summary: dict[str, Any] = {"users": users, "metric": metric, "methods": {}}
     for method in methods:
         evals = [r for r in records if r["method"] == method and r["kind"] == "eval"]
         if not evals:
@@ -135,7 +139,7 @@ def table_rows(summary: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     for name, m in methods.items():
         cells = [f"{m[f'mean_{short}']:.2f} ({m[f'std_{short}']:.2f})" for short in shorts]
         rows.append([name, *(f"{m['per_user'][u][per_user]:.2f}" for u in users), *cells,
-                     _bytes(m["upload_bytes_per_round"])])
+                     format_bytes(m["upload_bytes_per_round"])])
     return header, rows
 
 
@@ -146,7 +150,8 @@ def markdown_table(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _bytes(count: float) -> str:
+def format_bytes(count: float) -> str:
+    """``count`` bytes as B, KiB, MiB or GiB."""
     if count < 1024:
         return f"{count:.0f} B"
     for unit in ("KiB", "MiB", "GiB"):
@@ -156,17 +161,23 @@ def _bytes(count: float) -> str:
     return f"{count:.1f} {unit}"
 
 
+def score_title(summary: dict[str, Any]) -> str:
+    """What the table's numbers are, and which way is better."""
+    metric = summary.get("metric", "perplexity")
+    if metric == "perplexity":
+        return "Test perplexity after the last round (lower is better)"
+    if metric in LOWER_IS_BETTER:
+        return f"Test {metric} after the last round (lower is better)"
+    return f"Test {metric} ×100 after the last round (higher is better)"
+
+
 def write_report(run_dir: Path, recipe_name: str, summary: dict[str, Any], plots: list[Path]) -> Path:
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
-    language = any("mean_in" in m for m in summary["methods"].values())
-    caption = (
-        "Test perplexity after the last round (lower is better). Per-user columns are in distribution "
-        "(each user's own test split); out of distribution is the union of all users' test splits. "
-        "Mean (std) over users."
-        if language else
-        "Test score (×100, higher is better: accuracy, F1 for MRPC, MCC for CoLA, Spearman for STS-B) "
-        "of each client on its own test split after the last round. Mean (std) over clients."
-    )
+    where = ("Per-user columns are in distribution (each user's own test split); out of distribution is the "
+             "union of all users' test splits. Mean (std) over users."
+             if summary.get("metric", "perplexity") == "perplexity" else
+             "Each client on its own test split; mean (std) over clients.")
+    caption = f"{score_title(summary)}. {where}"
     lines = [f"# {recipe_name}", "", caption, "", markdown_table(summary), "", *_drops_section(summary)]
     lines += [f"![{p.stem}](plots/{p.name})" for p in plots]
     path = run_dir / "report.md"

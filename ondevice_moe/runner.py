@@ -21,6 +21,7 @@ import yaml
 
 from ondevice_moe.errors import UserError
 from ondevice_moe.federation.job import JOB_ENV, Job
+from ondevice_moe.overrides import apply_override
 from ondevice_moe.recipe import Recipe
 from ondevice_moe.report import (
     CorruptLog,
@@ -119,7 +120,7 @@ def finish_report(recipe: Recipe, run_dir: Path) -> RunResult:
     methods = [Job(recipe, index, run_dir).method for index in range(len(recipe.methods))]
     records = MetricsLog(run_dir / "metrics.jsonl").read()
     names = [m.name for m in methods]
-    summary = summarize(records, names, recipe.user_names)
+    summary = summarize(records, names, recipe.user_names, recipe.metric)
     plots = [p for p in (plot_rounds(records, names, run_dir / "plots" / "rounds.png"),
                          plot_communication(records, names, run_dir / "plots" / "communication.png")) if p]
     for method in methods:
@@ -134,11 +135,12 @@ def finish_report(recipe: Recipe, run_dir: Path) -> RunResult:
 SUITES = {"lm": True, "glue": False}  # suite → is it for language-modelling runs
 
 
-def evaluate_run(run_dir: Path, suite: str) -> dict[str, Any]:
+def evaluate_run(run_dir: Path, suite: str, device: str | None = None) -> dict[str, Any]:
     """Re-evaluate every device of a finished run from its checkpoints.
 
     ``lm``: per-user test perplexity in and out of distribution; ``glue``: the
-    task metric per client. Returns a summary shaped like ``summary.json``.
+    task metric per client. ``device`` (``auto`` | ``cpu`` | ``cuda``) overrides
+    the run's ``model.device``. Returns a summary shaped like ``summary.json``.
     """
     from ondevice_moe.federation import device
     from ondevice_moe.federation.evaluation import evaluate_device, user_values
@@ -147,7 +149,10 @@ def evaluate_run(run_dir: Path, suite: str) -> dict[str, Any]:
     recipe_file = Path(run_dir) / "recipe.yaml"
     if not recipe_file.is_file():
         raise UserError(f"{run_dir} is not a run folder (no recipe.yaml)", "pass the --output folder of a finetune run")
-    recipe = validate_recipe(yaml.safe_load(recipe_file.read_text(encoding="utf-8")), source=str(recipe_file))
+    raw = yaml.safe_load(recipe_file.read_text(encoding="utf-8"))
+    if device is not None:
+        apply_override(raw, f"model.device={device}")
+    recipe = validate_recipe(raw, source=str(recipe_file))
     if suite not in SUITES:
         raise UserError(f"unknown suite '{suite}'", f"use one of {list(SUITES)}")
     if SUITES[suite] != recipe.is_language_modelling:
@@ -166,7 +171,17 @@ def evaluate_run(run_dir: Path, suite: str) -> dict[str, Any]:
                 values = user_values(metrics, user_index)
                 if values:
                     records.append({"method": job.method.name, "round": 0, "kind": "eval", "user": user, **values})
-    return summarize(records, [job.method.name for job in jobs], recipe.user_names)
+    return summarize(records, [job.method.name for job in jobs], recipe.user_names, recipe.metric)
+
+
+def gpus_per_client(job: Job) -> float:
+    """The recipe's ``federation.gpus_per_client``; on CUDA without it, the devices share one GPU."""
+    from ondevice_moe.models.devices import resolve_device
+
+    federation = job.recipe.federation
+    if federation.gpus_per_client > 0 or resolve_device(job.recipe.model.device).type != "cuda":
+        return federation.gpus_per_client
+    return 1.0 / len(job.method.layouts)
 
 
 def _simulate(job: Job, on_round: Callable[[int, int, str], None] | None) -> None:
@@ -180,7 +195,7 @@ def _simulate(job: Job, on_round: Callable[[int, int, str], None] | None) -> Non
     backend = {
         "init_args": {"num_cpus": max(int(cpus), os.cpu_count() or 1), "logging_level": "ERROR",
                       "log_to_driver": False, "include_dashboard": False},
-        "client_resources": {"num_cpus": cpus, "num_gpus": 0.0},
+        "client_resources": {"num_cpus": cpus, "num_gpus": gpus_per_client(job)},
     }
     server_app.progress_hook = on_round
     try:

@@ -52,3 +52,14 @@ def test_peft_methods_are_refused_on_small_models():
     raw["methods"] = ["fed-lora"]
     with pytest.raises(UserError, match="do not run on a small-model recipe"):
         validate_recipe(raw)
+
+
+def test_the_report_names_the_metric_and_its_direction(tmp_path):
+    from ondevice_moe.report import score_title, write_report
+
+    for metric, expected in (("mse", "Test mse after the last round (lower is better)"),
+                             ("accuracy", "Test accuracy ×100 after the last round (higher is better)"),
+                             ("perplexity", "Test perplexity after the last round (lower is better)")):
+        summary = {"users": ["a"], "metric": metric, "methods": {}}
+        assert score_title(summary) == expected
+        assert expected in write_report(tmp_path, "r", summary, []).read_text()
