@@ -136,13 +136,13 @@ SUITES = {"lm": True, "glue": False}  # suite → is it for language-modelling r
 
 
 def evaluate_run(run_dir: Path, suite: str, device: str | None = None) -> dict[str, Any]:
-    """Re-evaluate every device of a finished run from its checkpoints.
+    """Re-evaluate every device of a run's finished methods from their checkpoints.
 
     ``lm``: per-user test perplexity in and out of distribution; ``glue``: the
     task metric per client. ``device`` (``auto`` | ``cpu`` | ``cuda``) overrides
     the run's ``model.device``. Returns a summary shaped like ``summary.json``.
     """
-    from ondevice_moe.federation import device
+    from ondevice_moe.federation import device as dev
     from ondevice_moe.federation.evaluation import evaluate_device, user_values
     from ondevice_moe.recipe import validate_recipe
 
@@ -159,13 +159,18 @@ def evaluate_run(run_dir: Path, suite: str, device: str | None = None) -> dict[s
         kind = "language-modelling" if recipe.is_language_modelling else "classification"
         right = "lm" if recipe.is_language_modelling else "glue"
         raise UserError(f"suite '{suite}' does not fit this {kind} run", f"use --suite {right}")
+    finished = MetricsLog(Path(run_dir) / "metrics.jsonl").finished()
+    jobs = [job for job in (Job(recipe, index, Path(run_dir)) for index in range(len(recipe.methods)))
+            if job.method.name in finished]  # a `flwr run` folder may hold one method of the recipe
+    if not jobs:
+        raise UserError(f"no method of the run in {run_dir} has finished", "finish it first: run the same "
+                        "`ondevice-moe finetune` command again to resume")
     records = []
-    jobs = [Job(recipe, index, Path(run_dir)) for index in range(len(recipe.methods))]
     for job in jobs:
         for device_index in range(len(job.method.layouts)):
-            model = device.build_model(job, device_index)
+            model = dev.build_model(job, device_index)
             if job.method.trains:
-                device.load_checkpoint(job, device_index, model)
+                dev.load_checkpoint(job, device_index, model)
             metrics = evaluate_device(job, device_index, model)
             for user_index, user in enumerate(recipe.user_names):
                 values = user_values(metrics, user_index)

@@ -118,10 +118,11 @@ def test_eval_command_recomputes_final_perplexities(tiny_run):
     from ondevice_moe.cli import app
 
     _, result, _ = tiny_run
-    outcome = CliRunner().invoke(app, ["eval", str(result.run_dir), "--suite", "lm"])
-    assert outcome.exit_code == 0, outcome.output
-    for name in ("fedavg", "comigs-1G1S"):
-        assert f"{result.summary['methods'][name]['mean_in']:.2f}" in outcome.output
+    for device in ([], ["--device", "cpu"]):
+        outcome = CliRunner().invoke(app, ["eval", str(result.run_dir), "--suite", "lm", *device])
+        assert outcome.exit_code == 0, outcome.output
+        for name in ("fedavg", "comigs-1G1S"):
+            assert f"{result.summary['methods'][name]['mean_in']:.2f}" in outcome.output
     wrong = CliRunner().invoke(app, ["eval", str(result.run_dir), "--suite", "glue"])
     assert wrong.exit_code == 2 and "use --suite lm" in wrong.output
 
