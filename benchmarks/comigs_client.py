@@ -3,162 +3,92 @@
 * Step time and peak memory of one CoMiGS-1G1S expert step against a plain
   HF PEFT LoRA model with the same number of *active* adapter parameters
   (rank 8 on attention, rank 16 on the MLP = two rank-8 experts), on the same
-  base model and the same batch. Each configuration runs in a fresh
-  subprocess so that its peak resident memory is its own.
+  base model and the same batch (timing and memory: see ``harness.py``).
 * Bytes uploaded per round by a CoMiGS-1G1S device against a FedAvg device
   with two LoRA modules, counted from the tensors the Flower client sends.
 
 Usage:
-    python benchmarks/comigs_client.py [--model smollm2-135m] [--dtype float32] [--batch 4] [--steps 5]
+    python benchmarks/comigs_client.py [--model smollm2-135m] [--dtype float32|bfloat16]
+        [--device auto|cpu|cuda] [--batch 4] [--context 128] [--steps 5] [--threads N]
 
 Prints a table, then (last line) the figures as one JSON object.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import resource
-import statistics
-import subprocess
 import sys
-import time
+from collections.abc import Sequence
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+import harness
+import torch
+from harness import Configuration
 
+from ondevice_moe.federation.device import shared_state
+from ondevice_moe.layout import attach_layout, sites_of
+from ondevice_moe.methods.registry import method_for
+from ondevice_moe.training import DeviceTrainer, TrainingConfig
 
-def _rss_mib() -> float:
-    with open("/proc/self/status", encoding="utf-8") as handle:
-        for line in handle:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
-
-
-def measure(kind: str, model_name: str, dtype: str, batch: int, steps: int, context: int) -> dict[str, float]:
-    """Run in a subprocess: build one configuration and time its training steps."""
-    import torch
-
-    from ondevice_moe.inject import ExpertLayout, attach_experts
-    from ondevice_moe.methods import build_method
-    from ondevice_moe.models import load_base_model
-    from ondevice_moe.training import DeviceTrainer, TrainingConfig
-
-    torch.manual_seed(0)
-    loaded = load_base_model(model_name, dtype)
-    vocab = loaded.model.config.vocab_size
-    tokens = torch.randint(0, vocab, (batch, context), generator=torch.Generator().manual_seed(0))
-    if kind == "peft-lora":
-        from peft import LoraConfig, get_peft_model
-
-        names = _linear_names(loaded.model)
-        config = LoraConfig(r=8, lora_alpha=16, use_rslora=True, target_modules=names["attention"] + names["mlp"],
-                            rank_pattern={name: 16 for name in names["mlp"]}, lora_dropout=0.0)
-        model = get_peft_model(loaded.model, config)
-        params = [p for p in model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=2e-3)
-
-        def step() -> None:
-            model.train()
-            loss = model(input_ids=tokens, labels=tokens).loss
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-
-        active = sum(p.numel() for p in params)
-    else:
-        method = build_method("comigs", ExpertLayout(), num_users=4, variant="1G1S")
-        trainer = DeviceTrainer(attach_experts(loaded.model, method.layouts[0], seed=0), method,
-                                TrainingConfig(total_iterations=steps + 2))
-
-        def step() -> None:
-            trainer.expert_step(tokens)
-
-        # Both experts are active for every token (top-2 of 2); the router is not an adapter.
-        active = sum(p.numel() for p in trainer.expert_parameters())
-    loaded_rss = _rss_mib()
-    step()  # warm-up
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return {"step_s": statistics.median(times), "peak_rss_mib": peak, "train_overhead_mib": peak - loaded_rss,
-            "active_adapter_params": active}
+PEER, OURS = "peft-lora", "comigs-1G1S"
 
 
-def _linear_names(model) -> dict[str, list[str]]:
-    from ondevice_moe.inject import architecture_of
-
-    arch = architecture_of(model)
-    return {"attention": list(arch.attention_linears), "mlp": list(arch.mlp_linears)}
+def comigs_trainer(base, method_name: str = "comigs", **options) -> DeviceTrainer:
+    method = method_for(method_name, 4, **options)
+    return DeviceTrainer(attach_layout(base, method.layouts[0], seed=0), method, TrainingConfig())
 
 
-def upload_bytes(model_name: str) -> dict[str, int]:
-    from ondevice_moe.federation.device import shared_state
-    from ondevice_moe.inject import ExpertLayout, attach_experts
-    from ondevice_moe.methods import build_method
-    from ondevice_moe.models import load_base_model
-    from ondevice_moe.training import DeviceTrainer, TrainingConfig
+def build(kind: str, base, batch) -> Configuration:
+    """CoMiGS-1G1S on a copy of ``base`` (sharing its weights), or PEFT LoRA on ``base`` itself."""
+    if kind == OURS:
+        return harness.trainer_configuration(comigs_trainer(base, variant="1G1S"), batch)
+    sites, _ = sites_of(base)
+    mlp = [f"{sites.mlp}.{name}" for name in sites.mlp_linears]
+    return harness.peft_lora_configuration(base, [*sites.attention_linears, *mlp], batch,
+                                           rank_pattern={name: 16 for name in mlp})
 
-    base = load_base_model(model_name).model
+
+def upload_bytes(base) -> dict[str, int]:
+    """Bytes a device sends per round: CoMiGS-1G1S (generalists + attention LoRA) and FedAvg (everything)."""
     sizes = {}
-    for name, options in (("comigs-1G1S", {"variant": "1G1S"}), ("fedavg", {})):
-        method = build_method("comigs" if name.startswith("comigs") else name, ExpertLayout(), 4, **options)
-        trainer = DeviceTrainer(attach_experts(base, method.layouts[0], seed=0), method, TrainingConfig())
+    for name, trainer in ((OURS, comigs_trainer(base, variant="1G1S")), ("fedavg", comigs_trainer(base, "fedavg"))):
         sizes[name] = sum(t.numel() * t.element_size() for t in shared_state(trainer).values())
     return sizes
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--context", type=int, default=128)
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--measure", choices=["comigs-1G1S", "peft-lora"], help=argparse.SUPPRESS)
-    args = parser.parse_args()
+def main(argv: Sequence[str] | None = None) -> dict[str, object]:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = harness.parser(__doc__).parse_args(argv)
+    device = harness.resolve_device(args.device)
+    if args.measure_memory:  # child process
+        def build_one() -> Configuration:
+            loaded = harness.load(args)
+            return build(args.measure_memory, loaded.model, harness.batch_of(args, loaded.model.config.vocab_size,
+                                                                              device))
 
-    if args.measure:  # child process
-        print(json.dumps(measure(args.measure, args.model, args.dtype, args.batch, args.steps, args.context)))
-        return
+        print(json.dumps(harness.measure_memory(build_one, device)))
+        return {}
 
-    results = {}
-    for kind in ("peft-lora", "comigs-1G1S"):
-        child = subprocess.run(
-            [sys.executable, __file__, "--measure", kind, "--model", args.model, "--dtype", args.dtype,
-             "--batch", str(args.batch), "--steps", str(args.steps), "--context", str(args.context)],
-            capture_output=True, text=True, check=True,
-        )
-        results[kind] = json.loads(child.stdout.strip().splitlines()[-1])
-    uploads = upload_bytes(args.model)
-    peer, ours = results["peft-lora"], results["comigs-1G1S"]
+    memory = harness.memory_in_children(__file__, (PEER, OURS), argv)
+    loaded = harness.load(args)
+    batch = harness.batch_of(args, loaded.model.config.vocab_size, device)
+    uploads = upload_bytes(loaded.model)
+    configurations = {OURS: build(OURS, loaded.model, batch)}
+    configurations[PEER] = build(PEER, loaded.model, batch)  # last: PEFT changes the base in place
+    times = harness.interleaved_step_times(configurations, args.steps, device)
+    params = {name: c.adapter_params for name, c in configurations.items()}
+    ratios = harness.print_comparison(PEER, OURS, times, memory, params)
+    print(f"{'':28}{'FedAvg (2 LoRA)':>16}{OURS:>16}")
+    print(f"{'upload bytes / round':28}{uploads['fedavg']:16d}{uploads[OURS]:16d}"
+          f"{uploads[OURS] / uploads['fedavg']:8.2f}")
     figures = {
-        "model": args.model, "dtype": args.dtype, "batch": args.batch, "context": args.context,
-        "peft_lora_step_s": peer["step_s"], "comigs_step_s": ours["step_s"],
-        "step_time_ratio": ours["step_s"] / peer["step_s"],
-        "peft_lora_peak_rss_mib": peer["peak_rss_mib"], "comigs_peak_rss_mib": ours["peak_rss_mib"],
-        "peak_memory_ratio": ours["peak_rss_mib"] / peer["peak_rss_mib"],
-        "training_overhead_ratio": ours["train_overhead_mib"] / peer["train_overhead_mib"],
-        "active_adapter_params": {"peft-lora": peer["active_adapter_params"],
-                                  "comigs-1G1S": ours["active_adapter_params"]},
-        "upload_bytes_per_round": uploads,
-        "upload_ratio_vs_fedavg": uploads["comigs-1G1S"] / uploads["fedavg"],
+        "model": args.model, "dtype": args.dtype, "device": device.type, "batch": args.batch,
+        "context": args.context, "steps": args.steps, "threads": torch.get_num_threads(),
+        "step_s": times, "memory_mib": memory,
+        "adapter_params": params, **ratios, "upload_bytes_per_round": uploads,
+        "upload_ratio_vs_fedavg": uploads[OURS] / uploads["fedavg"],
     }
-    print(f"{'':28}{'PEFT LoRA':>14}{'CoMiGS-1G1S':>14}{'ratio':>8}")
-    print(f"{'step time (s)':28}{peer['step_s']:14.3f}{ours['step_s']:14.3f}{figures['step_time_ratio']:8.2f}")
-    print(f"{'peak RSS (MiB)':28}{peer['peak_rss_mib']:14.0f}{ours['peak_rss_mib']:14.0f}"
-          f"{figures['peak_memory_ratio']:8.2f}")
-    print(f"{'  of which training (MiB)':28}{peer['train_overhead_mib']:14.0f}{ours['train_overhead_mib']:14.0f}"
-          f"{figures['training_overhead_ratio']:8.2f}")
-    print(f"{'active adapter params':28}{peer['active_adapter_params']:14d}{ours['active_adapter_params']:14d}")
-    print(f"{'':28}{'FedAvg (2 LoRA)':>14}{'CoMiGS-1G1S':>14}")
-    print(f"{'upload bytes / round':28}{uploads['fedavg']:14d}{uploads['comigs-1G1S']:14d}"
-          f"{figures['upload_ratio_vs_fedavg']:8.2f}")
     print(json.dumps(figures))
+    return figures
 
 
 if __name__ == "__main__":

@@ -1,0 +1,184 @@
+"""What the client benchmarks share: options, a PEFT LoRA peer, timing and memory.
+
+Step time: every configuration is built in one process and their steps
+alternate (A B, B A, A B, …), so a shared or throttled machine slows both
+sides alike; the figures are medians after one warm-up step each.
+Peak memory: each configuration runs in a fresh child process (the calling
+script with ``--measure-memory KIND``), so its peak is its own: peak resident
+set size (``VmHWM``) on the CPU, peak allocated memory on CUDA.
+``--threads N`` pins torch's CPU threads: on a machine shared with other
+jobs, oversubscribed threads penalise the side with more (small) operations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch
+from torch import nn
+
+from ondevice_moe.models import load_base_model
+from ondevice_moe.models.devices import DEVICE_NAMES, resolve_device
+from ondevice_moe.training import DeviceTrainer
+
+Step = Callable[[], None]
+
+
+@dataclass
+class Configuration:
+    """One side of a comparison: its training step and its number of adapter (expert) parameters."""
+
+    step: Step
+    adapter_params: int
+
+
+def parser(description: str, default_model: str = "smollm2-135m") -> argparse.ArgumentParser:
+    """The options every client benchmark takes."""
+    options = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    options.add_argument("--model", default=default_model, help="model alias (tiny-llama / tiny-gpt2 for a smoke run)")
+    options.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    options.add_argument("--device", default="auto", choices=DEVICE_NAMES, help="auto: CUDA when available")
+    options.add_argument("--batch", type=int, default=4)
+    options.add_argument("--context", type=int, default=128)
+    options.add_argument("--steps", type=int, default=5, help="timed steps per configuration, after one warm-up")
+    options.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    options.add_argument("--measure-memory", metavar="KIND", help=argparse.SUPPRESS)
+    return options
+
+
+def batch_of(args: argparse.Namespace, vocab_size: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """A fixed random language-modelling batch (labels = inputs)."""
+    tokens = torch.randint(0, vocab_size, (args.batch, args.context), generator=torch.Generator().manual_seed(0))
+    tokens = tokens.to(device)
+    return {"input_ids": tokens, "labels": tokens}
+
+
+def load(args: argparse.Namespace):
+    """The frozen base model on the resolved device (with ``--threads`` applied)."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return load_base_model(args.model, args.dtype, device=resolve_device(args.device))
+
+
+def trainer_configuration(trainer: DeviceTrainer, batch: dict[str, torch.Tensor]) -> Configuration:
+    """A device of this harness: one expert step of its local procedure."""
+    return Configuration(lambda: trainer.expert_step(batch), sum(p.numel() for p in trainer.expert_parameters()))
+
+
+def peft_lora_configuration(model: nn.Module, targets: Sequence[str], batch: dict[str, torch.Tensor], *,
+                            rank: int = 8, alpha: float = 16.0, rank_stabilised: bool = True,
+                            rank_pattern: dict[str, int] | None = None, grad_clip: float = 1.0,
+                            lr: float = 2e-3) -> Configuration:
+    """Plain HF PEFT LoRA on ``model`` (modified in place), trained like a
+    Hugging Face ``Trainer`` would: AdamW, gradients clipped at norm 1."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=rank, lora_alpha=alpha, use_rslora=rank_stabilised, target_modules=list(targets),
+                        rank_pattern=rank_pattern or {}, lora_dropout=0.0)
+    peft_model = get_peft_model(model, config)
+    params = [p for p in peft_model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=lr)
+
+    def step() -> None:
+        peft_model.train()
+        loss = peft_model(**batch).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, grad_clip)
+        optimizer.step()
+
+    return Configuration(step, sum(p.numel() for p in params))
+
+
+def interleaved_step_times(configurations: dict[str, Configuration], steps: int, device: torch.device
+                           ) -> dict[str, float]:
+    """Median step time of each configuration, their steps alternating in one process."""
+    names = list(configurations)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for round_index in range(steps + 1):
+        for name in names if round_index % 2 == 0 else reversed(names):
+            start = _clock(device)
+            configurations[name].step()
+            if round_index > 0:  # round 0 is the warm-up
+                times[name].append(_clock(device) - start)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def _clock(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def measure_memory(build: Callable[[], Configuration], device: torch.device) -> dict[str, float]:
+    """In a child process: build one configuration and run two steps; its peak memory in MiB."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    before = _resident_mib(device)
+    configuration = build()
+    loaded = _resident_mib(device)
+    for _ in range(2):
+        configuration.step()
+    peak = _peak_mib(device)
+    return {"peak_mib": peak, "training_mib": peak - loaded, "model_mib": loaded - before}
+
+
+def _resident_mib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device) / 2**20
+    return _proc_status_mib("VmRSS")
+
+
+def _peak_mib(device: torch.device) -> float:
+    """Peak of this process. Not ``ru_maxrss``: Linux carries it over from the parent across fork and exec."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return _proc_status_mib("VmHWM")
+
+
+def _proc_status_mib(field: str) -> float:
+    with open("/proc/self/status", encoding="utf-8") as handle:
+        for line in handle:
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def memory_in_children(script: str, kinds: Sequence[str], argv: Sequence[str]) -> dict[str, dict[str, float]]:
+    """Run ``script --measure-memory KIND`` for each kind; the JSON each child prints last."""
+    results = {}
+    for kind in kinds:
+        child = subprocess.run([sys.executable, script, *argv, "--measure-memory", kind],
+                               capture_output=True, text=True, check=False)
+        if child.returncode != 0:
+            raise RuntimeError(f"memory measurement of {kind} failed:\n{child.stderr[-4000:]}")
+        results[kind] = json.loads(child.stdout.strip().splitlines()[-1])
+    return results
+
+
+def print_comparison(peer: str, ours: str, times: dict[str, float], memory: dict[str, dict[str, float]],
+                     params: dict[str, int]) -> dict[str, float]:
+    """Print the side-by-side table; return the ratios (ours / peer)."""
+    ratios = {
+        "step_time_ratio": times[ours] / times[peer],
+        "peak_memory_ratio": memory[ours]["peak_mib"] / memory[peer]["peak_mib"],
+        "training_memory_ratio": memory[ours]["training_mib"] / memory[peer]["training_mib"],
+    }
+    print(f"{'':28}{peer:>16}{ours:>16}{'ratio':>8}")
+    print(f"{'step time (s)':28}{times[peer]:16.3f}{times[ours]:16.3f}{ratios['step_time_ratio']:8.2f}")
+    print(f"{'peak memory (MiB)':28}{memory[peer]['peak_mib']:16.0f}{memory[ours]['peak_mib']:16.0f}"
+          f"{ratios['peak_memory_ratio']:8.2f}")
+    print(f"{'  of which training (MiB)':28}{memory[peer]['training_mib']:16.0f}{memory[ours]['training_mib']:16.0f}"
+          f"{ratios['training_memory_ratio']:8.2f}")
+    print(f"{'adapter parameters':28}{params[peer]:16d}{params[ours]:16d}")
+    return ratios

@@ -1,0 +1,54 @@
+"""The client benchmarks run end to end (one step, tiny models), so they cannot break silently."""
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from ondevice_moe.errors import UserError
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+TINY_RUN = ["--steps", "1", "--batch", "2", "--context", "8", "--device", "cpu"]
+
+
+@pytest.fixture
+def benchmarks(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import comigs_client
+    import hermes_client
+
+    return {"comigs": comigs_client, "hermes": hermes_client}
+
+
+def _assert_side_by_side(figures: dict, peer: str, ours: str) -> None:
+    assert set(figures["step_s"]) == set(figures["memory_mib"]) == {peer, ours}
+    for name in (peer, ours):
+        assert figures["step_s"][name] > 0
+        assert figures["memory_mib"][name]["peak_mib"] > 0
+    for ratio in ("step_time_ratio", "peak_memory_ratio"):
+        assert math.isfinite(figures[ratio]) and figures[ratio] > 0
+
+
+def test_comigs_benchmark_runs_one_step_on_tiny_llama(benchmarks, capsys):
+    figures = benchmarks["comigs"].main(["--model", "tiny-llama", *TINY_RUN])
+    _assert_side_by_side(figures, "peft-lora", "comigs-1G1S")
+    params = figures["adapter_params"]
+    assert params["peft-lora"] == params["comigs-1G1S"] > 0  # same active adapter parameters
+    uploads = figures["upload_bytes_per_round"]
+    assert 0 < uploads["comigs-1G1S"] < uploads["fedavg"]
+    assert "step time (s)" in capsys.readouterr().out
+
+
+def test_hermes_benchmark_runs_one_step_on_tiny_gpt2(benchmarks):
+    figures = benchmarks["hermes"].main(["--model", "tiny-gpt2", "--dtype", "bfloat16", *TINY_RUN])
+    _assert_side_by_side(figures, "peft-lora", "hermes")
+    params = figures["adapter_params"]
+    assert params["hermes"] > params["peft-lora"] > 0  # LoRA + adapter + prefix against LoRA alone
+
+
+def test_benchmarks_refuse_cuda_without_a_gpu(benchmarks, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for script in benchmarks.values():
+        with pytest.raises(UserError, match="cuda"):
+            script.main(["--model", "tiny-llama", "--device", "cuda", "--steps", "1"])
