@@ -36,7 +36,8 @@ lint: setup
 	$(BIN)/ruff check ondevice_moe tests benchmarks eval
 
 bench: setup
-	$(BIN)/python benchmarks/comigs_client.py
+	$(BIN)/python benchmarks/comigs_client.py --threads 1
+	$(BIN)/python benchmarks/hermes_client.py --threads 1
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache

@@ -129,7 +129,8 @@ class DeviceTrainer:
         try:
             self.model.train()
             output = self.model(**batch)
-            loss = output.loss
+            loss, task_loss = output.loss, float(output.loss.detach())
+            del output  # the logits are not needed for backward (a vocabulary-sized tensor per token)
             balance = total_balance_loss(self.model)
             if balance is not None:
                 loss = loss + self.config.balance_weight * balance
@@ -147,7 +148,7 @@ class DeviceTrainer:
         finally:
             for _, param in self.trainable:
                 param.requires_grad_(True)
-        return float(output.loss.detach())
+        return task_loss
 
     # -- persistence --------------------------------------------------------
     def optimizer_state(self) -> dict[str, object]:
