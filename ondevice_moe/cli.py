@@ -129,6 +129,10 @@ def _print_summary(summary: dict) -> None:
     for row in rows:
         table.add_row(*row)
     console.print(table)
+    for name, method in summary["methods"].items():
+        if method.get("dropped"):
+            users = ", ".join(f"{user} ({count} round{'s' * (count > 1)})" for user, count in method["dropped"].items())
+            console.print(f"[yellow]dropped:[/] {escape(name)}: {escape(users)} (see report.md)")
 
 
 @recipes_app.command("list")

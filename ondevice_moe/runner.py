@@ -206,7 +206,9 @@ def _simulate(job: Job, on_round: Callable[[int, int, str], None] | None) -> Non
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            logging.getLogger("flwr").setLevel(logging.WARNING)
+            # A device that raises shows up once, as a dropped device with its reason (progress line,
+            # report, metrics.jsonl); Flower's own log of the actor's traceback would repeat it.
+            logging.getLogger("flwr").setLevel(logging.CRITICAL)
             run_simulation(server_app=server_app.app, client_app=client_app.app,
                            num_supernodes=len(job.method.layouts), backend_config=backend)
     finally:

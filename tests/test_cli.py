@@ -95,3 +95,14 @@ def test_progress_shows_time_remaining():
     from ondevice_moe.cli import _progress
 
     assert any(isinstance(column, TimeRemainingColumn) for column in _progress().columns)
+
+
+def test_the_console_summary_names_dropped_devices(capsys):
+    from ondevice_moe.cli import _print_summary
+
+    method = {"per_user": {"a": {"in": 1.0, "out": 1.0}, "b": {"in": 1.0, "out": 1.0}}, "mean_in": 1.0,
+              "std_in": 0.0, "mean_out": 1.0, "std_out": 0.0, "upload_bytes_per_round": 0.0}
+    _print_summary({"users": ["a", "b"], "metric": "perplexity",
+                    "methods": {"fedavg": {**method, "dropped": {"b": 2}}, "local": {**method, "dropped": {}}}})
+    out = " ".join(capsys.readouterr().out.split())
+    assert "dropped: fedavg: b (2 rounds)" in out and "local:" not in out
