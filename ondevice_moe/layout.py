@@ -253,7 +253,8 @@ def attach_layout(base_model: nn.Module, layout: Layout, *, seed: int, user: int
     for index, block in enumerate(blocks):
         if layout.attention_lora is not None:
             for path in sites.attention_linears:
-                _add_lora(block, path, layout.attention_lora, builder.lora(block, path, index, layout.attention_lora))
+                _add_residual(block, path, layout.attention_lora,
+                              builder.lora(block, path, index, layout.attention_lora), None, LoRAAdaptedLinear)
         if not layout.experts:
             continue
         if layout.mixing == "mlp":
@@ -303,14 +304,17 @@ class _ExpertBuilder:
         return Prefix(heads, self.layout.sizes.prefix_length, head_dim, self._generator(index, "prefix", name))
 
 
-def _add_lora(block: nn.Module, path: str, name: str, lora: LoRA, gate=None) -> None:
+def _add_residual(block: nn.Module, path: str, name: str, expert: nn.Module, gate,
+                  site: type[LoRAAdaptedLinear | AdapterAfter]) -> None:
+    """Attach ``expert`` under ``name`` to the module at ``path``, wrapping that module in ``site``
+    (a LoRA-adapted linear layer, or a sublayer followed by adapters) the first time."""
     parent_path, _, leaf = path.rpartition(".")
     parent = block.get_submodule(parent_path) if parent_path else block
     layer = getattr(parent, leaf)
-    if not isinstance(layer, LoRAAdaptedLinear):
-        layer = LoRAAdaptedLinear(layer, {})
+    if not isinstance(layer, site):
+        layer = site(layer, {})
         setattr(parent, leaf, layer)
-    layer.add(name, lora, gate)
+    layer.add(name, expert, gate)
 
 
 def _make_router(layout: Layout, hidden_size: int) -> nn.Module:
@@ -355,11 +359,11 @@ def _attach_block_mixture(block: nn.Module, sites: Sites, layout: Layout, builde
         if spec.kind == "lora":
             for path in sites.routed_lora:
                 lora = builder.lora(block, path, index, name)
-                _add_lora(block, path, name, lora, gate)
+                _add_residual(block, path, name, lora, gate, LoRAAdaptedLinear)
                 modules.append(lora)
         elif spec.kind == "adapter":
             adapter = builder.adapter(index, sites.ffn_output, name)
-            _add_adapter(block, sites.ffn_output, name, adapter, gate)
+            _add_residual(block, sites.ffn_output, name, adapter, gate, AdapterAfter)
             modules.append(adapter)
         else:
             attention = block.get_submodule(sites.attention)
@@ -377,16 +381,6 @@ def _attach_block_mixture(block: nn.Module, sites: Sites, layout: Layout, builde
         if isinstance(router.router, HermesRouter):
             router.router.expert_params = expert_params
         block.register_forward_pre_hook(route_block_input, with_kwargs=True)
-
-
-def _add_adapter(block: nn.Module, path: str, name: str, adapter: Adapter, gate) -> None:
-    parent_path, _, leaf = path.rpartition(".")
-    parent = block.get_submodule(parent_path) if parent_path else block
-    layer = getattr(parent, leaf)
-    if not isinstance(layer, AdapterAfter):
-        layer = AdapterAfter(layer, {})
-        setattr(parent, leaf, layer)
-    layer.add(name, adapter, gate)
 
 
 def _register_expert_params(router: nn.Module, experts: dict[str, nn.Module]) -> None:

@@ -219,7 +219,7 @@ def test_user_file_problems_raise_user_errors(tmp_path):
     with pytest.raises(UserError, match=r"line 2, has no value for \['verdict'\]"):
         load_task(_csv_task(jsonl), "train")
     jsonl.write_text('{"review": "ok", "verdict": "good"}\nnot json\n', encoding="utf-8")
-    with pytest.raises(UserError, match="line 2, is not JSON"):
+    with pytest.raises(UserError, match=r"d\.jsonl:2 is not valid JSON"):
         load_task(_csv_task(jsonl), "train")
     with pytest.raises(UserError, match="neither CSV"):
         load_task(_csv_task(_write_csv(tmp_path / "e.txt", _movie_rows())), "train")

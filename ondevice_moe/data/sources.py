@@ -17,7 +17,7 @@ import csv
 import importlib.util
 import json
 import sysconfig
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from ondevice_moe.errors import UserError
@@ -86,7 +86,16 @@ def text_folder(path: str | None = None, **_: object) -> Documents:
 def jsonl(path: str | None = None, text_field: str = "text", **_: object) -> Documents:
     """One document per line of a JSON-lines file, from ``text_field``."""
     file = _existing_path(path, "jsonl")
-    for number, line in enumerate(_read_text(file).splitlines(), start=1):
+    for number, record in jsonl_objects(_read_text(file).splitlines(), file, f'{{"{text_field}": "..."}}'):
+        if text_field not in record:
+            raise UserError(f"{file}:{number} has no field '{text_field}'",
+                            "set `text_field` to the field holding the text")
+        yield str(record[text_field])
+
+
+def jsonl_objects(lines: Iterable[str], file: Path, example: str = "{...}") -> Iterator[tuple[int, dict]]:
+    """``(line number, object)`` of each non-blank line; a line that is not a JSON object is a UserError."""
+    for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:
@@ -96,11 +105,8 @@ def jsonl(path: str | None = None, text_field: str = "text", **_: object) -> Doc
                             "write one JSON object per line") from None
         if not isinstance(record, dict):
             raise UserError(f"{file}:{number} is a JSON {_JSON_KINDS[type(record)]}, not an object",
-                            f'write one JSON object per line, e.g. {{"{text_field}": "..."}}')
-        if text_field not in record:
-            raise UserError(f"{file}:{number} has no field '{text_field}'",
-                            "set `text_field` to the field holding the text")
-        yield str(record[text_field])
+                            f"write one JSON object per line, e.g. {example}")
+        yield number, record
 
 
 _JSON_KINDS = {list: "array", str: "string", int: "number", float: "number", bool: "boolean", type(None): "null"}

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import bz2
 import csv
-import json
 import math
 import numbers
 import random
@@ -34,7 +33,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
-from ondevice_moe.data.sources import load_hub_dataset, package_folder
+from ondevice_moe.data.sources import jsonl_objects, load_hub_dataset, package_folder
 from ondevice_moe.errors import UserError
 
 SPLITS = ("train", "test")
@@ -329,7 +328,7 @@ def _user_rows(file: UserTaskFile) -> Iterator[tuple[tuple[str, ...], object]]:
     try:
         with path.open(encoding="utf-8", newline="") as handle:
             if suffix == ".jsonl":
-                records = _jsonl_records(handle, path)
+                records = jsonl_objects(handle, path)
             else:
                 reader = csv.DictReader(handle, delimiter="\t" if suffix == ".tsv" else ",")
                 missing = [column for column in columns if column not in (reader.fieldnames or [])]
@@ -346,19 +345,6 @@ def _user_rows(file: UserTaskFile) -> Iterator[tuple[tuple[str, ...], object]]:
     except UnicodeDecodeError as error:
         raise UserError(f"task file {path} is not UTF-8 text: {error.reason}", "save it as UTF-8") from None
 
-
-def _jsonl_records(handle, path: Path) -> Iterator[tuple[int, dict]]:
-    for line, text in enumerate(handle, start=1):
-        if not text.strip():
-            continue
-        try:
-            record = json.loads(text)
-        except json.JSONDecodeError as error:
-            raise UserError(f"task file {path}, line {line}, is not JSON: {error.msg}",
-                            "write one JSON object per line") from None
-        if not isinstance(record, dict):
-            raise UserError(f"task file {path}, line {line}, is not a JSON object", "write one object per line")
-        yield line, record
 
 
 __all__ = ["MIN_USER_EXAMPLES", "OFFLINE_TASKS", "TASKS", "LabelledExamples", "TaskSpec", "UserTaskFile",
