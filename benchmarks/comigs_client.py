@@ -16,13 +16,11 @@ Prints a table, then (last line) the figures as one JSON object.
 
 from __future__ import annotations
 
-import json
-import sys
 from collections.abc import Sequence
 
 import harness
-import torch
 from harness import Configuration
+from torch import nn
 
 from ondevice_moe.federation.device import shared_state
 from ondevice_moe.layout import attach_layout, sites_of
@@ -55,40 +53,17 @@ def upload_bytes(base) -> dict[str, int]:
     return sizes
 
 
-def main(argv: Sequence[str] | None = None) -> dict[str, object]:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = harness.parser(__doc__).parse_args(argv)
-    device = harness.resolve_device(args.device)
-    if args.measure_memory:  # child process
-        def build_one() -> Configuration:
-            loaded = harness.load(args)
-            return build(args.measure_memory, loaded.model, harness.batch_of(args, loaded.model.config.vocab_size,
-                                                                              device))
-
-        print(json.dumps(harness.measure_memory(build_one, device)))
-        return {}
-
-    memory = harness.memory_in_children(__file__, (PEER, OURS), argv)
-    loaded = harness.load(args)
-    batch = harness.batch_of(args, loaded.model.config.vocab_size, device)
-    uploads = upload_bytes(loaded.model)
-    configurations = {OURS: build(OURS, loaded.model, batch)}
-    configurations[PEER] = build(PEER, loaded.model, batch)  # last: PEFT changes the base in place
-    times = harness.interleaved_step_times(configurations, args.steps, device)
-    params = {name: c.adapter_params for name, c in configurations.items()}
-    ratios = harness.print_comparison(PEER, OURS, times, memory, params)
+def upload_figures(base: nn.Module) -> dict[str, object]:
+    """Upload per device per round of CoMiGS-1G1S against FedAvg with two LoRA modules."""
+    uploads = upload_bytes(base)
     print(f"{'':28}{'FedAvg (2 LoRA)':>16}{OURS:>16}")
     print(f"{'upload bytes / round':28}{uploads['fedavg']:16d}{uploads[OURS]:16d}"
           f"{uploads[OURS] / uploads['fedavg']:8.2f}")
-    figures = {
-        "model": args.model, "dtype": args.dtype, "device": device.type, "batch": args.batch,
-        "context": args.context, "steps": args.steps, "threads": torch.get_num_threads(),
-        "step_s": times, "memory_mib": memory,
-        "adapter_params": params, **ratios, "upload_bytes_per_round": uploads,
-        "upload_ratio_vs_fedavg": uploads[OURS] / uploads["fedavg"],
-    }
-    print(json.dumps(figures))
-    return figures
+    return {"upload_bytes_per_round": uploads, "upload_ratio_vs_fedavg": uploads[OURS] / uploads["fedavg"]}
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, object]:
+    return harness.compare(__doc__, __file__, build, PEER, OURS, argv, upload_figures) or {}
 
 
 if __name__ == "__main__":

@@ -182,3 +182,38 @@ def print_comparison(peer: str, ours: str, times: dict[str, float], memory: dict
           f"{ratios['training_memory_ratio']:8.2f}")
     print(f"{'adapter parameters':28}{params[peer]:16d}{params[ours]:16d}")
     return ratios
+
+
+Build = Callable[[str, nn.Module, dict[str, torch.Tensor]], Configuration]
+
+
+def compare(description: str, script: str, build: Build, peer: str, ours: str, argv: Sequence[str] | None,
+            on_base: Callable[[nn.Module], dict[str, object]] | None = None) -> dict[str, object] | None:
+    """Run ``script``'s comparison of ``ours`` against ``peer``: peak memory of each in a child process,
+    step times interleaved in this one. ``on_base`` adds figures read off the untouched base model.
+    Returns the figures, or ``None`` in a memory-measuring child (which prints its figures for the parent)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser(description).parse_args(argv)
+    device = resolve_device(args.device)
+
+    def build_on_fresh_model(kind: str) -> Configuration:
+        loaded = load(args)
+        return build(kind, loaded.model, batch_of(args, loaded.model.config.vocab_size, device))
+
+    if args.measure_memory:  # child process
+        print(json.dumps(measure_memory(lambda: build_on_fresh_model(args.measure_memory), device)))
+        return None
+    memory = memory_in_children(script, (peer, ours), argv)
+    loaded = load(args)
+    batch = batch_of(args, loaded.model.config.vocab_size, device)
+    extra = on_base(loaded.model) if on_base else {}
+    configurations = {ours: build(ours, loaded.model, batch)}
+    configurations[peer] = build(peer, loaded.model, batch)  # last: PEFT changes the base in place
+    times = interleaved_step_times(configurations, args.steps, device)
+    params = {name: c.adapter_params for name, c in configurations.items()}
+    ratios = print_comparison(peer, ours, times, memory, params)
+    figures = {"model": args.model, "dtype": args.dtype, "device": device.type, "batch": args.batch,
+               "context": args.context, "steps": args.steps, "threads": torch.get_num_threads(),
+               "step_s": times, "memory_mib": memory, "adapter_params": params, **ratios, **extra}
+    print(json.dumps(figures))
+    return figures

@@ -15,12 +15,9 @@ Prints a table, then (last line) the figures as one JSON object.
 
 from __future__ import annotations
 
-import json
-import sys
 from collections.abc import Sequence
 
 import harness
-import torch
 from harness import Configuration
 
 from ondevice_moe.layout import attach_layout, sites_of
@@ -41,31 +38,7 @@ def build(kind: str, base, batch) -> Configuration:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, object]:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = harness.parser(__doc__).parse_args(argv)
-    device = harness.resolve_device(args.device)
-    if args.measure_memory:  # child process
-        def build_one() -> Configuration:
-            loaded = harness.load(args)
-            return build(args.measure_memory, loaded.model, harness.batch_of(args, loaded.model.config.vocab_size,
-                                                                              device))
-
-        print(json.dumps(harness.measure_memory(build_one, device)))
-        return {}
-
-    memory = harness.memory_in_children(__file__, (PEER, OURS), argv)
-    loaded = harness.load(args)
-    batch = harness.batch_of(args, loaded.model.config.vocab_size, device)
-    configurations = {OURS: build(OURS, loaded.model, batch)}
-    configurations[PEER] = build(PEER, loaded.model, batch)  # last: PEFT changes the base in place
-    times = harness.interleaved_step_times(configurations, args.steps, device)
-    params = {name: c.adapter_params for name, c in configurations.items()}
-    ratios = harness.print_comparison(PEER, OURS, times, memory, params)
-    figures = {"model": args.model, "dtype": args.dtype, "device": device.type, "batch": args.batch,
-               "context": args.context, "steps": args.steps, "threads": torch.get_num_threads(),
-               "step_s": times, "memory_mib": memory, "adapter_params": params, **ratios}
-    print(json.dumps(figures))
-    return figures
+    return harness.compare(__doc__, __file__, build, PEER, OURS, argv) or {}
 
 
 if __name__ == "__main__":
