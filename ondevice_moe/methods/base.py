@@ -21,7 +21,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict
 
 from ondevice_moe.federation.rules import ServerRule
-from ondevice_moe.layout import ExpertSizes, Layout, RouterSpec
+from ondevice_moe.layout import Layout
 
 
 class Role(str, Enum):
@@ -46,12 +46,9 @@ class MethodOptions(BaseModel):
 @dataclass(frozen=True)
 class MethodContext:
     """What a method is built from besides its own options: the number of
-    devices, the recipe's expert sizes and router settings, and the
-    federation's weighting of device updates."""
+    devices and the federation's weighting of device updates."""
 
     num_users: int
-    sizes: ExpertSizes = field(default_factory=ExpertSizes)
-    router: RouterSpec = field(default_factory=RouterSpec)
     weighting: str = "uniform"
 
 
