@@ -164,8 +164,3 @@ def mixtures(model: nn.Module) -> list[MixtureMLP]:
     """The model's mixture layers, in depth order."""
     return [module for module in model.modules() if isinstance(module, MixtureMLP)]
 
-
-def total_balance_loss(model: nn.Module) -> torch.Tensor | None:
-    """Mean balance term over the model's mixture layers after a forward pass."""
-    losses = [m.last_balance_loss for m in mixtures(model) if m.last_balance_loss is not None]
-    return torch.stack(losses).mean() if losses else None
