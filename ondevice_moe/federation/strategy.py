@@ -296,8 +296,9 @@ class SlotStrategy(Strategy):
 
 
 def _last_line(reason: str) -> str:
+    """The last line of a device's error, without the ``'>`` that closes Flower's repr of the exception."""
     lines = [line.strip() for line in reason.replace("\\n", "\n").splitlines() if line.strip()]
-    return lines[-1] if lines else reason
+    return (lines[-1] if lines else reason).removesuffix("'>")
 
 
 def _record_bytes(record: ArrayRecord) -> int:
