@@ -2,11 +2,12 @@ import math
 
 import pytest
 import torch
+from test_mixture import naive_mixture
 from torch import nn
 
 from ondevice_moe.experts import LoRA, LoRAAdaptedLinear
 from ondevice_moe.layout import Layout, RouterSpec, attach_layout, lora_experts
-from ondevice_moe.mixture import MixtureMLP, mixtures
+from ondevice_moe.mixture import mixtures
 
 
 def _comigs_layout(*roles: str) -> Layout:
@@ -63,24 +64,7 @@ def test_shared_experts_start_identical_across_users_private_ones_differ(tiny_mo
     assert not any(torch.equal(first[n], second[n]) for n in private_a)
 
 
-def _naive_mixture(mixture: MixtureMLP, hidden: torch.Tensor, arch: str) -> torch.Tensor:
-    """Run the frozen MLP once per expert, as CoMiGS's reference code does, and mix."""
-    weights = mixture.router(hidden).weights
-    outputs = []
-    base = mixture.base
-    for expert in mixture.experts.values():
-        if arch == "gpt2":
-            act = base.act(base.c_fc(hidden) + expert["c_fc"](hidden))
-            outputs.append(base.c_proj(act) + expert["c_proj"](act))
-        else:
-            act = base.act_fn(base.gate_proj(hidden) + expert["gate_proj"](hidden)) * (
-                base.up_proj(hidden) + expert["up_proj"](hidden))
-            outputs.append(base.down_proj(act) + expert["down_proj"](act))
-    return sum(weights[..., j : j + 1] * out for j, out in enumerate(outputs))
-
-
 def test_single_pass_mixture_equals_per_expert_mlps(tiny_model):
-    arch = tiny_model.config.model_type
     layout = _comigs_layout("shared", "private", "private")
     model = attach_layout(tiny_model, layout, seed=0).eval()
     mixture = mixtures(model)[0]
@@ -89,4 +73,4 @@ def test_single_pass_mixture_equals_per_expert_mlps(tiny_model):
             if param.requires_grad:
                 param.normal_(0, 0.2)
     hidden = torch.randn(2, 7, tiny_model.config.hidden_size)
-    torch.testing.assert_close(mixture(hidden), _naive_mixture(mixture, hidden, arch), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(mixture(hidden), naive_mixture(mixture, hidden), rtol=1e-5, atol=1e-5)

@@ -43,7 +43,7 @@ def _mixture(model: nn.Module, kinds: tuple[str, ...], dtype: torch.dtype = torc
     return mixture
 
 
-def _naive(mixture: MixtureMLP, hidden: torch.Tensor) -> torch.Tensor:
+def naive_mixture(mixture: MixtureMLP, hidden: torch.Tensor) -> torch.Tensor:
     """``Σ_j w_j E_j(x)``, running the frozen MLP once per expert."""
     base = mixture.base
     weights = mixture.router(hidden).weights
@@ -77,7 +77,7 @@ def test_mixture_equals_naive_per_expert_mlps_forward_and_gradients(tiny_model, 
     hidden = torch.randn(2, 7, tiny_model.config.hidden_size, dtype=torch.float64,
                          generator=torch.Generator().manual_seed(2))
     out, grads = _output_and_grads(mixture, hidden, mixture)
-    expected_out, expected_grads = _output_and_grads(mixture, hidden, lambda h: _naive(mixture, h))
+    expected_out, expected_grads = _output_and_grads(mixture, hidden, lambda h: naive_mixture(mixture, h))
     torch.testing.assert_close(out, expected_out, rtol=1e-10, atol=1e-10)
     assert len(grads) == len(expected_grads) > 1 + len(kinds)
     for grad, expected in zip(grads, expected_grads, strict=True):
@@ -104,7 +104,7 @@ def test_mixture_runs_in_bfloat16_with_float32_experts(tiny_model):
     mixture = _mixture(tiny_model, ("lora", "adapter"), torch.float32)
     hidden = torch.randn(2, 4, tiny_model.config.hidden_size)
     with torch.no_grad():
-        expected = _naive(mixture, hidden)
+        expected = naive_mixture(mixture, hidden)
     mixture.base.to(torch.bfloat16)
     out = mixture(hidden.to(torch.bfloat16))
     assert out.dtype == torch.bfloat16
