@@ -6,6 +6,12 @@ sides alike; the figures are medians after one warm-up step each.
 Peak memory: each configuration runs in a fresh child process (the calling
 script with ``--measure-memory KIND``), so its peak is its own: peak resident
 set size (``VmHWM``) on the CPU, peak allocated memory on CUDA.
+On the CPU the children run with glibc's mmap threshold fixed at 1 MiB
+(``MALLOC_MMAP_THRESHOLD_``): by default glibc raises the threshold after
+each large free, so later activations come from the heap, and the peak then
+depends on the order of frees (the same run measured 2.7 to 3.4 GiB).
+With the threshold fixed, large tensors go back to the system when freed and
+the peak is the program's, stable to a few MiB between runs.
 ``--threads N`` pins torch's CPU threads: on a machine shared with other
 jobs, oversubscribed threads penalise the side with more (small) operations.
 """
@@ -32,6 +38,7 @@ from ondevice_moe.models.devices import DEVICE_NAMES, resolve_device
 from ondevice_moe.training import DeviceTrainer
 
 Step = Callable[[], None]
+CHILD_ENVIRONMENT = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(2**20)}
 
 
 @dataclass
@@ -159,7 +166,7 @@ def memory_in_children(script: str, kinds: Sequence[str], argv: Sequence[str]) -
     results = {}
     for kind in kinds:
         child = subprocess.run([sys.executable, script, *argv, "--measure-memory", kind],
-                               capture_output=True, text=True, check=False)
+                               capture_output=True, text=True, check=False, env=CHILD_ENVIRONMENT)
         if child.returncode != 0:
             raise RuntimeError(f"memory measurement of {kind} failed:\n{child.stderr[-4000:]}")
         results[kind] = json.loads(child.stdout.strip().splitlines()[-1])

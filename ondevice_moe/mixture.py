@@ -21,16 +21,21 @@ only when the mixture holds an adapter.
 
 Memory: with frozen base weights, backward needs no input of a base
 projection. A step keeps each LoRA expert's pre-activations (``W_in x + ΔW_in,j x``)
-and recomputes the rest of the per-expert path in backward
-(:func:`torch.utils.checkpoint.checkpoint`: the activation, the weighted sum
-and the output LoRA), instead of keeping every intermediate of every expert's
-activation. The terms are summed in the naive implementation's order, so the
-result matches it to the last bits that float rounding allows.
+and its activation ``a_j`` (read by the weighted sum and the output LoRA).
+LLaMA's gated activation ``act(gate)·up`` recomputes ``act(gate)`` in
+backward (:func:`torch.utils.checkpoint.checkpoint`) rather than keeping it,
+so each expert keeps three ``(tokens × MLP width)`` tensors where the MLP of a
+plain LoRA model keeps four (its input projections' outputs, ``act(gate)``
+and the product).
+
+Time: the routing weight and the LoRA scaling multiply the rank-r codes, not
+the full activations, and each low-rank residual is added inside its
+matrix product (``addmm``), so an expert costs few passes over
+``(tokens × MLP width)`` tensors beside its activation.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -61,7 +66,18 @@ class MLPForm:
 
 
 GPT2_MLP = MLPForm(("c_fc",), "c_proj", lambda mlp, pre: mlp.act(pre[0]), lambda mlp, out: mlp.dropout(out))
-LLAMA_MLP = MLPForm(("gate_proj", "up_proj"), "down_proj", lambda mlp, pre: mlp.act_fn(pre[0]) * pre[1])
+
+
+def _gated_activation(mlp: nn.Module, pre: Sequence[torch.Tensor]) -> torch.Tensor:
+    """LLaMA's ``act(gate)·up``; in training ``act(gate)`` is recomputed in backward, not kept."""
+    def activation(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return mlp.act_fn(gate) * up
+    if torch.is_grad_enabled():
+        return checkpoint(activation, *pre, use_reentrant=False, preserve_rng_state=False)
+    return activation(*pre)
+
+
+LLAMA_MLP = MLPForm(("gate_proj", "up_proj"), "down_proj", _gated_activation)
 
 
 def gpt2_mixed_forward(mlp: nn.Module, experts: ExpertSet, weights: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -82,46 +98,50 @@ def mixed_mlp(form: MLPForm, mlp: nn.Module, experts: ExpertSet, weights: torch.
     """``Σ_j w_j E_j(x)`` with the frozen MLP run once; ``weights`` (…, n) must sum to one per token."""
     flat = x.reshape(-1, x.shape[-1])
     flat_weights = weights.reshape(-1, weights.shape[-1])
-    pre = [getattr(mlp, name)(flat) for name in form.inputs]
-    expert_pre = [None if isinstance(expert, Adapter) else
-                  [p + expert[name](flat).to(p.dtype) for p, name in zip(pre, form.inputs, strict=True)]
-                  for expert in experts]
-    base_pre = pre if any(isinstance(expert, Adapter) for expert in experts) else None
-    experts_path = functools.partial(_expert_activations, form, mlp, experts)
-    if torch.is_grad_enabled():
-        mixed, residuals, base_activation = checkpoint(experts_path, flat_weights, base_pre, expert_pre,
-                                                       use_reentrant=False, preserve_rng_state=False)
-    else:
-        mixed, residuals, base_activation = experts_path(flat_weights, base_pre, expert_pre)
-    output = getattr(mlp, form.output)
-    out = output(mixed)
-    for residual in residuals:
-        out = out + residual
+    base_pre, expert_pre = _pre_activations(form, mlp, experts, flat)
+    mixed, output_codes, base_activation = _expert_activations(form, mlp, experts, flat_weights, base_pre, expert_pre)
+    out = getattr(mlp, form.output)(mixed)
+    lora_experts = [expert for expert in experts if not isinstance(expert, Adapter)]
+    for expert, codes in zip(lora_experts, output_codes, strict=True):
+        out = expert[form.output].add_codes(out, codes)
     if base_activation is not None:
-        base_out = output(base_activation)
+        base_out = getattr(mlp, form.output)(base_activation)
         for j, expert in enumerate(experts):
             if isinstance(expert, Adapter):
-                out = out + flat_weights[:, j : j + 1] * expert(base_out).to(out.dtype)
+                out = expert.add_to(out, base_out, flat_weights[:, j : j + 1])
     out = form.finish(mlp, out)
     return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def _pre_activations(form: MLPForm, mlp: nn.Module, experts: ExpertSet, flat: torch.Tensor
+                     ) -> tuple[list[torch.Tensor] | None, list[list[torch.Tensor] | None]]:
+    """The frozen input projections' outputs, run once (returned only when an adapter
+    expert reads the base MLP), and each LoRA expert's pre-activations ``W_in x + ΔW_in,j x``."""
+    pre = [getattr(mlp, name)(flat) for name in form.inputs]
+    expert_pre = [None if isinstance(expert, Adapter) else
+                  [expert[name].add_to(p, flat) for p, name in zip(pre, form.inputs, strict=True)]
+                  for expert in experts]
+    return (pre if any(isinstance(expert, Adapter) for expert in experts) else None), expert_pre
 
 
 def _expert_activations(form: MLPForm, mlp: nn.Module, experts: ExpertSet, weights: torch.Tensor,
                         base_pre: list[torch.Tensor] | None, expert_pre: list[list[torch.Tensor] | None]
                         ) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor | None]:
-    """From the experts' pre-activations: ``Σ_j w_j a_j``, the terms ``w_j ΔW_out,j a_j`` and ``a_0``."""
+    """From the experts' pre-activations: ``Σ_j w_j a_j``, each LoRA expert's output
+    codes ``w_j·γ·A_out,j a_j`` (rank r: ``ΔW_out,j = γ·B_out,j A_out,j``) and ``a_0``."""
     base_activation = form.activation(mlp, base_pre) if base_pre is not None else None
     mixed = None
-    residuals = []
+    output_codes = []
     for j, (expert, pre) in enumerate(zip(experts, expert_pre, strict=True)):
         weight = weights[:, j : j + 1]
         if pre is None:
             activation = base_activation
         else:
             activation = form.activation(mlp, pre)
-            residuals.append(weight * expert[form.output](activation).to(activation.dtype))
-        mixed = activation * weight if mixed is None else mixed + activation * weight
-    return mixed, residuals, base_activation
+            output_codes.append(expert[form.output].codes(activation, weight))
+        weight = weight.to(activation.dtype)
+        mixed = activation * weight if mixed is None else torch.addcmul(mixed, activation, weight)
+    return mixed, output_codes, base_activation
 
 
 class MixtureMLP(nn.Module):

@@ -73,4 +73,6 @@ def test_single_pass_mixture_equals_per_expert_mlps(tiny_model):
             if param.requires_grad:
                 param.normal_(0, 0.2)
     hidden = torch.randn(2, 7, tiny_model.config.hidden_size)
-    torch.testing.assert_close(mixture(hidden), naive_mixture(mixture, hidden), rtol=1e-5, atol=1e-5)
+    expected = naive_mixture(mixture, hidden)
+    # float32 rounding of differently ordered sums, relative to outputs in the hundreds
+    torch.testing.assert_close(mixture(hidden), expected, rtol=1e-5, atol=1e-6 * expected.abs().max().item())

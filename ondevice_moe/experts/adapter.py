@@ -11,11 +11,12 @@ import math
 import torch
 from torch import nn
 
-from ondevice_moe.experts.lora import Gate, gated_sum
+from ondevice_moe.experts.lora import Gate
 
 
 class Adapter(nn.Module):
-    """The bottleneck residual ``up(relu(down(h)))`` of one adapter expert."""
+    """The bottleneck residual ``up(relu(down(h)))`` of one adapter expert, computed in
+    the dtype of ``h`` (parameters may stay in fp32, as under ``torch.autocast``)."""
 
     def __init__(self, hidden_size: int, rank: int = 16, generator: torch.Generator | None = None) -> None:
         super().__init__()
@@ -26,8 +27,19 @@ class Adapter(nn.Module):
             self.down.uniform_(-bound, bound, generator=generator)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        bottleneck = torch.relu(nn.functional.linear(hidden.to(self.down.dtype), self.down))
-        return nn.functional.linear(bottleneck, self.up)
+        bottleneck = torch.relu(nn.functional.linear(hidden, self.down.to(hidden.dtype)))
+        return nn.functional.linear(bottleneck, self.up.to(hidden.dtype))
+
+    def add_to(self, out: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """``out + w·adapter(hidden)``, the per-token weight ``w`` (…, 1) applied on the
+        bottleneck and the sum fused into one multiply-add, in ``out``'s dtype."""
+        bottleneck = torch.relu(nn.functional.linear(hidden, self.down.to(hidden.dtype)))
+        if weight is not None:
+            bottleneck = bottleneck * weight.to(bottleneck.dtype)
+        flat = out.reshape(-1, out.shape[-1])
+        summed = torch.addmm(flat, bottleneck.reshape(-1, bottleneck.shape[-1]).to(out.dtype),
+                             self.up.t().to(out.dtype))
+        return summed.reshape(out.shape)
 
 
 class AdapterAfter(nn.Module):
@@ -51,6 +63,8 @@ class AdapterAfter(nn.Module):
             self.gates[name] = gate
 
     def forward(self, *args: torch.Tensor, **kwargs: object) -> torch.Tensor:
-        out = self.base(*args, **kwargs)
-        residual = gated_sum({name: adapter(out) for name, adapter in self.adapters.items()}, self.gates)
-        return out + residual.to(out.dtype)
+        base_out = self.base(*args, **kwargs)
+        out = base_out
+        for name, adapter in self.adapters.items():
+            out = adapter.add_to(out, base_out, self.gates[name]() if name in self.gates else None)
+        return out

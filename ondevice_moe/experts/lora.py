@@ -31,6 +31,10 @@ def linear_features(layer: nn.Module) -> tuple[int, int]:
 class LoRA(nn.Module):
     """The residual ``γ·B(A x)`` of one low-rank expert on one linear layer.
 
+    It computes in the dtype of the layer it adapts (bf16 on a bf16 base, as
+    ``torch.autocast`` would), while its parameters may stay in fp32: no fp32
+    copy of the layer's input is made or kept for backward.
+
     ``B`` starts at zero, so a fresh expert leaves the base output unchanged.
     ``generator`` makes the initialisation of ``A`` reproducible: experts that
     the server averages start identical on every device.
@@ -59,19 +63,27 @@ class LoRA(nn.Module):
             self.lora_A.uniform_(-bound, bound, generator=generator)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        hidden = nn.functional.linear(x.to(self.lora_A.dtype), self.lora_A)
-        return nn.functional.linear(hidden, self.lora_B) * self.scaling
+        hidden = nn.functional.linear(x, self.lora_A.to(x.dtype))
+        return nn.functional.linear(hidden, self.lora_B.to(x.dtype)) * self.scaling
 
+    def codes(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """``w·γ·A x``, shape ``(…, r)``: the scaling and a per-token weight ``w`` (…, 1)
+        applied where they cost least, on the rank-``r`` codes."""
+        codes = nn.functional.linear(x, self.lora_A.to(x.dtype)) * self.scaling
+        return codes if weight is None else codes * weight.to(codes.dtype)
 
-def gated_sum(residuals: dict[str, torch.Tensor], gates: dict[str, Gate]) -> torch.Tensor:
-    """``Σ_j g_j · Δ_j``: each residual scaled by its expert's per-token router weight
-    (Hermes eq. 9); residuals without a gate (or before the router ran) count in full."""
-    total = None
-    for name, residual in residuals.items():
-        weight = gates[name]() if name in gates else None
-        term = residual if weight is None else weight * residual
-        total = term if total is None else total + term
-    return total
+    def add_codes(self, out: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+        """``out + B·codes`` in one fused multiply-add."""
+        flat = out.reshape(-1, out.shape[-1])
+        summed = torch.addmm(flat, codes.reshape(-1, codes.shape[-1]).to(out.dtype), self.lora_B.t().to(out.dtype))
+        return summed.reshape(out.shape)
+
+    def add_to(self, out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """``out + w·γ·B(A x)``: the base layer's output ``out`` plus this (gated) residual.
+
+        Equal to ``out + w * self(x)``, without the two passes over the full
+        output that scaling and adding a separate residual would take."""
+        return self.add_codes(out, self.codes(x, weight))
 
 
 class LoRAAdaptedLinear(nn.Module):
@@ -97,5 +109,6 @@ class LoRAAdaptedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
-        residual = gated_sum({name: adapter(x) for name, adapter in self.adapters.items()}, self.gates)
-        return out + residual.to(out.dtype)
+        for name, adapter in self.adapters.items():
+            out = adapter.add_to(out, x, self.gates[name]() if name in self.gates else None)
+        return out
