@@ -6,6 +6,7 @@ from test_mixture import naive_mixture
 from torch import nn
 
 from ondevice_moe.experts import LoRA, LoRAAdaptedLinear
+from ondevice_moe.experts.adapter import Adapter
 from ondevice_moe.layout import Layout, RouterSpec, attach_layout, lora_experts
 from ondevice_moe.mixture import mixtures
 
@@ -51,6 +52,29 @@ def test_adapted_linear_adds_each_adapter():
     layer = LoRAAdaptedLinear(base, adapters)
     x = torch.randn(3, 4)
     torch.testing.assert_close(layer(x), base(x) + adapters["shared"](x) + adapters["private"](x))
+
+
+@pytest.mark.parametrize("expert", [LoRA(6, 6, 2, 4.0), Adapter(6, rank=3)], ids=["lora", "adapter"])
+def test_fused_add_equals_output_plus_weighted_residual(expert):
+    with torch.no_grad():
+        for param in expert.parameters():
+            param.normal_(0, 0.5)
+    expert.double()
+    out, x = torch.randn(2, 5, 6, dtype=torch.float64), torch.randn(2, 5, 6, dtype=torch.float64)
+    weight = torch.rand(2, 5, 1, dtype=torch.float64)
+    torch.testing.assert_close(expert.add_to(out, x, weight), out + weight * expert(x), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(expert.add_to(out, x), out + expert(x), rtol=1e-12, atol=1e-12)
+
+
+def test_float32_experts_compute_in_a_bfloat16_base_dtype_and_keep_float32_gradients():
+    lora = LoRA(8, 8, 2, 4.0)
+    nn.init.normal_(lora.lora_B)
+    x = torch.randn(3, 8)
+    out = lora.add_to(torch.zeros(3, 8, dtype=torch.bfloat16), x.to(torch.bfloat16))
+    assert out.dtype == torch.bfloat16
+    out.float().sum().backward()
+    assert lora.lora_A.grad.dtype == lora.lora_B.grad.dtype == torch.float32
+    torch.testing.assert_close(out.float(), lora(x), rtol=0.05, atol=0.05 * lora(x).abs().max().item())
 
 
 def test_shared_experts_start_identical_across_users_private_ones_differ(tiny_model):
