@@ -287,6 +287,10 @@ class _ExpertBuilder:
         parts: tuple[object, ...] = (name,) if name.startswith("shared") else (name, "user", self.user)
         return expert_generator(self.seed, index, where, *parts)
 
+    def router_generator(self, index: int) -> torch.Generator:
+        """The router of block ``index`` starts the same on every device (shared routers need it)."""
+        return expert_generator(self.seed, index, "router")
+
     def lora(self, block: nn.Module, path: str, index: int, name: str) -> LoRA:
         sizes = self.layout.sizes
         layer = block.get_submodule(path)
@@ -317,14 +321,15 @@ def _add_residual(block: nn.Module, path: str, name: str, expert: nn.Module, gat
     layer.add(name, expert, gate)
 
 
-def _make_router(layout: Layout, hidden_size: int) -> nn.Module:
+def _make_router(layout: Layout, hidden_size: int, generator: torch.Generator) -> nn.Module:
     spec, names = layout.router, layout.expert_names
     if spec.kind in ("hermes", "sigmoid"):
         return HermesRouter(hidden_size, tuple(names), min(spec.top_k, len(names)) if spec.kind == "hermes"
                             else len(names), spec.temperature, spec.gamma, spec.bias_rate, spec.gradient_ema,
-                            spec.use_feature, spec.use_gradient, "sigmoid" if spec.kind == "sigmoid" else "hermes")
+                            spec.use_feature, spec.use_gradient, "sigmoid" if spec.kind == "sigmoid" else "hermes",
+                            generator)
     if spec.kind == "token-topk" and len(names) > 1:
-        return TokenTopKRouter(hidden_size, len(names), min(spec.top_k, len(names)), spec.balance)
+        return TokenTopKRouter(hidden_size, len(names), min(spec.top_k, len(names)), spec.balance, generator)
     return UniformRouter(len(names))
 
 
@@ -342,7 +347,7 @@ def _attach_mlp_mixture(block: nn.Module, sites: Sites, layout: Layout, builder:
         else:
             experts[name] = nn.ModuleDict({
                 linear: builder.lora(mlp, linear, index, name) for linear in sites.mlp_linears})
-    router = _make_router(layout, hidden_size)
+    router = _make_router(layout, hidden_size, builder.router_generator(index))
     _register_expert_params(router, experts)
     setattr(block, sites.mlp, MixtureMLP(mlp, experts, router, sites.mixed_forward))
 
@@ -351,7 +356,8 @@ def _attach_block_mixture(block: nn.Module, sites: Sites, layout: Layout, builde
                           config) -> None:
     """Hermes: one router per block on its input; each expert's residual gated where it sits."""
     names = layout.expert_names
-    router = BlockRouter(_make_router(layout, config.hidden_size), names) if layout.router.kind != "none" else None
+    router = (BlockRouter(_make_router(layout, config.hidden_size, builder.router_generator(index)), names)
+              if layout.router.kind != "none" else None)
     expert_params: dict[str, list[nn.Parameter]] = {}
     for spec, name in zip(layout.experts, names, strict=True):
         gate = router.gate(name) if router is not None else None

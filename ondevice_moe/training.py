@@ -17,6 +17,7 @@ from torch import nn
 
 from ondevice_moe.layout import hermes_routers, routing_sites, total_balance_loss
 from ondevice_moe.methods import Method
+from ondevice_moe.routing.hermes import counting_real_tokens
 
 
 @dataclass(frozen=True)
@@ -128,7 +129,8 @@ class DeviceTrainer:
             param.requires_grad_(train_router if _is_router(name) else train_experts)
         try:
             self.model.train()
-            output = self.model(**batch)
+            with counting_real_tokens(self.hermes_routers, batch.get("attention_mask")):
+                output = self.model(**batch)
             loss, task_loss = output.loss, float(output.loss.detach())
             del output  # the logits are not needed for backward (a vocabulary-sized tensor per token)
             balance = total_balance_loss(self.model)

@@ -21,7 +21,15 @@ def test_fresh_experts_leave_outputs_unchanged(tiny_model, tokens):
     reference = tiny_model(tokens).logits
     model = attach_layout(tiny_model, _comigs_layout(), seed=0, user=3).eval()
     assert len(mixtures(model)) == tiny_model.config.num_hidden_layers
-    assert torch.equal(model(tokens).logits, reference)
+    # Σ_j w_j·MLP(x) = MLP(x) up to the rounding of weights that sum to one
+    torch.testing.assert_close(model(tokens).logits, reference, rtol=1e-5, atol=1e-5)
+
+
+def test_every_expert_of_a_fresh_four_expert_device_receives_tokens_on_step_one(tiny_model, tokens):
+    model = attach_layout(tiny_model, _comigs_layout("shared", "private", "private", "private"), seed=0).train()
+    model(tokens)
+    for mixture in mixtures(model):
+        assert (mixture.last_scores > 0).all(), mixture.last_scores
 
 
 def test_attached_model_shares_frozen_weights_and_trains_only_experts(tiny_model):

@@ -56,6 +56,15 @@ def test_unselected_experts_get_no_gradient_and_are_not_uploaded(hermes_trainer)
     assert all(usage[n] == 4 * 12 for n in uploaded if "adapters" in n)
 
 
+def test_usage_counts_real_tokens_not_padding(hermes_trainer):
+    batch = _batch()
+    batch["attention_mask"][:, 9:] = 0  # right padding: 3 of 12 positions in every row
+    start_round(hermes_trainer.model)
+    hermes_trainer.expert_step(batch)
+    for router in hermes_routers(hermes_trainer.model):
+        assert float(router.usage.sum()) == router.top_k * 4 * 9  # k experts per real token (eq. 6, 11)
+
+
 def test_router_state_stays_private(hermes_trainer):
     hermes_trainer.expert_step(_batch())
     assert not any("router" in n for n in shared_state(hermes_trainer))

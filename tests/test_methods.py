@@ -34,8 +34,19 @@ def test_ffa_lora_sends_b_only_and_fedsa_lora_sends_a_only(tiny_model):
     assert fedsa and all(n.endswith("lora_A") for n in fedsa)
 
 
-def test_fedavg_moe_shares_the_router(tiny_model):
-    assert any(".router." in n for n in _shared_names(tiny_model, "fedavg-moe"))
+def test_fedavg_moe_keeps_routers_local_unless_asked(tiny_model):
+    default = _shared_names(tiny_model, "fedavg-moe")
+    assert any(".experts." in n for n in default) and not any(".router." in n for n in default)
+    assert method_for("fedavg-moe", 2, share_router=True).name == "fedavg-moe-shared-router"
+    assert any(".router." in n for n in _shared_names(tiny_model, "fedavg-moe", share_router=True))
+
+
+def test_comigs_2s_shares_nothing_and_2g_everything_but_routers(tiny_model):
+    assert _shared_names(tiny_model, "comigs", variant="2S") == set()
+    shared_2g = _shared_names(tiny_model, "comigs", variant="2G")
+    model = attach_layout(tiny_model, method_for("comigs", 2, variant="2G").layouts[0], seed=0)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert shared_2g == {n for n in trainable if ".router." not in n}
 
 
 def test_comigs_halves_upload_against_fedavg(tiny_model):

@@ -23,9 +23,17 @@ def test_top_k_weights_renormalise(num_experts, top_k):
     torch.testing.assert_close(weights, expected)
 
 
-def test_fresh_router_weighs_experts_equally():
-    weights = TokenTopKRouter(6, 2, top_k=2)(torch.randn(3, 6)).weights
-    torch.testing.assert_close(weights, torch.full((3, 2), 0.5))
+def test_fresh_router_sends_tokens_to_every_expert():
+    router = TokenTopKRouter(16, 4, top_k=2, generator=torch.Generator().manual_seed(0))
+    weights = router(torch.randn(64, 16, generator=torch.Generator().manual_seed(1))).weights
+    assert (weights > 0).any(dim=0).all()
+
+
+def test_fresh_router_gate_is_drawn_like_nn_linear_from_its_generator():
+    first, second = (TokenTopKRouter(100, 4, generator=torch.Generator().manual_seed(3)) for _ in range(2))
+    assert torch.equal(first.gate.weight, second.gate.weight)
+    bound = 1 / 100 ** 0.5
+    assert first.gate.weight.abs().max() <= bound and first.gate.weight.std() > bound / 2
 
 
 def test_uniform_router():

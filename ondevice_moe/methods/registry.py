@@ -17,7 +17,7 @@ from pydantic import ValidationError
 from ondevice_moe.errors import UserError
 from ondevice_moe.methods.base import Method, MethodContext, MethodOptions
 from ondevice_moe.methods.comigs import baselines as comigs_baselines
-from ondevice_moe.methods.comigs.config import CoMiGSOptions, LoRABaselineOptions
+from ondevice_moe.methods.comigs.config import CoMiGSOptions, FedAvgMoEOptions, LoRABaselineOptions
 from ondevice_moe.methods.comigs.method import comigs
 from ondevice_moe.methods.hermes import baselines as hermes_baselines
 from ondevice_moe.methods.hermes.config import HermesBaselineOptions, HermesOptions
@@ -48,7 +48,7 @@ METHODS: dict[str, MethodSpec] = {
     "local": MethodSpec(LoRABaselineOptions, comigs_baselines.local, _LM, "experts"),
     "fedavg": MethodSpec(LoRABaselineOptions, comigs_baselines.fedavg, _LM, "experts"),
     "local-moe": MethodSpec(LoRABaselineOptions, comigs_baselines.local_moe, _LM, "experts"),
-    "fedavg-moe": MethodSpec(LoRABaselineOptions, comigs_baselines.fedavg_moe, _LM, "experts"),
+    "fedavg-moe": MethodSpec(FedAvgMoEOptions, comigs_baselines.fedavg_moe, _LM, "experts"),
     "ffa-lora": MethodSpec(LoRABaselineOptions, comigs_baselines.ffa_lora, _LM, "experts"),
     "fedsa-lora": MethodSpec(LoRABaselineOptions, comigs_baselines.fedsa_lora, _LM, "experts"),
     "centralized": MethodSpec(LoRABaselineOptions, comigs_baselines.centralized, _LM, "experts"),

@@ -4,6 +4,9 @@ Per token, with ``M`` experts at a layer:
 
 * feature view, eq. (4): ``s_f = softmax(G_f(h))``, ``G_f`` a linear gate on
   the block input;
+* ``n`` counts tokens (eq. 6 and the usage of eq. 11): positions that the
+  attention mask marks as padding are routed but not counted
+  (:func:`counting_real_tokens`);
 * gradient view, eq. (5): ``s_g`` = EMA over steps of each expert's gradient
   norm, normalised to sum to one across the layer's experts (the paper says
   "Norm(‖∇‖)" without the form; a sum-normalisation keeps ``s_g`` on the same
@@ -21,12 +24,14 @@ expert, no top-k, no balancing.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Literal
 
 import torch
 from torch import nn
 
-from ondevice_moe.routing.routers import Routing
+from ondevice_moe.routing.routers import Routing, linear_gate
 from ondevice_moe.routing.topk import top_k_softmax
 
 
@@ -49,6 +54,7 @@ class HermesRouter(nn.Module):
         use_feature: bool = True,
         use_gradient: bool = True,
         gating: Literal["hermes", "sigmoid"] = "hermes",
+        generator: torch.Generator | None = None,
     ) -> None:
         super().__init__()
         if not 1 <= top_k <= len(experts):
@@ -60,23 +66,25 @@ class HermesRouter(nn.Module):
         self.bias_rate = bias_rate
         self.gradient_ema = gradient_ema
         self.gating = gating
-        self.gate = nn.Linear(hidden_size, len(experts), bias=False) if use_feature or gating == "sigmoid" else None
-        if self.gate is not None:
-            nn.init.zeros_(self.gate.weight)
+        self.gate = (linear_gate(hidden_size, len(experts), generator) if use_feature or gating == "sigmoid"
+                     else None)
         self.register_buffer("bias", torch.zeros(len(experts)))
         self.register_buffer("gradient_score", torch.full((len(experts),), 1.0 / len(experts)))
         self.register_buffer("usage", torch.zeros(len(experts)))
         self.expert_params: dict[str, list[nn.Parameter]] = {}
         self._batch_counts: torch.Tensor | None = None
+        self.token_mask: torch.Tensor | None = None  # (batch, tokens), 1 for real tokens
 
     def forward(self, hidden: torch.Tensor) -> Routing:
         if self.gating == "sigmoid":
             weights = torch.sigmoid(self.gate(hidden.to(self.gate.weight.dtype)))
-            counts = torch.full((len(self.experts),), float(weights[..., 0].numel()), device=hidden.device)
+            selected = torch.ones_like(weights)
         else:
             scores = self.fused_scores(hidden)
             weights, selected = top_k_softmax(scores, self.top_k, self.temperature)
-            counts = selected.reshape(-1, len(self.experts)).sum(dim=0).detach()
+        if self.token_mask is not None:
+            selected = selected * self.token_mask.reshape(*selected.shape[:-1], 1).to(selected.dtype)
+        counts = selected.detach().reshape(-1, len(self.experts)).sum(dim=0)
         if self.training:
             self._batch_counts = counts
             self.usage += counts
@@ -125,3 +133,17 @@ class HermesRouter(nn.Module):
             return
         self.gradient_score.mul_(self.gradient_ema).add_((1 - self.gradient_ema) * gradient_norms / total)
 
+
+@contextmanager
+def counting_real_tokens(routers: Iterable[HermesRouter], attention_mask: torch.Tensor | None) -> Iterator[None]:
+    """During one forward pass, let ``routers`` count only the tokens that
+    ``attention_mask`` keeps: Hermes eq. (6) and (11) count tokens, and right
+    padding is not a token."""
+    routers = list(routers)
+    for router in routers:
+        router.token_mask = attention_mask
+    try:
+        yield
+    finally:
+        for router in routers:
+            router.token_mask = None

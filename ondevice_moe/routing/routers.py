@@ -9,6 +9,7 @@ same two LoRA modules as CoMiGS-1G1S.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -34,6 +35,21 @@ class Routing:
     balance_loss: torch.Tensor
 
 
+def linear_gate(hidden_size: int, num_experts: int, generator: torch.Generator | None = None) -> nn.Linear:
+    """A bias-free linear gate, initialised as ``nn.Linear`` initialises itself
+    (``U(±1/√d)``, the bound of ``kaiming_uniform_(a=√5)``), drawn from ``generator``.
+
+    The authors' code (epfml/CoMiGS) keeps ``nn.Linear``'s initialisation. A
+    zero gate would tie every score, and top-k would then send every token to
+    the same experts until the router is first trained.
+    """
+    gate = nn.Linear(hidden_size, num_experts, bias=False)
+    bound = 1.0 / math.sqrt(hidden_size)
+    with torch.no_grad():
+        gate.weight.uniform_(-bound, bound, generator=generator)
+    return gate
+
+
 class UniformRouter(nn.Module):
     """Every token takes every expert with weight ``1/n``; nothing to learn."""
 
@@ -50,7 +66,8 @@ class UniformRouter(nn.Module):
 class TokenTopKRouter(nn.Module):
     """Linear gate → softmax → top-k → renormalise (CoMiGS App. B.1.2).
 
-    The gate starts at zero, so a fresh router weighs the experts equally.
+    The gate starts as ``nn.Linear`` does (:func:`linear_gate`), so tokens
+    spread over the experts from the first step.
     """
 
     def __init__(
@@ -59,6 +76,7 @@ class TokenTopKRouter(nn.Module):
         num_experts: int,
         top_k: int = 2,
         balance_form: BalanceForm = "uniform",
+        generator: torch.Generator | None = None,
     ) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
@@ -66,8 +84,7 @@ class TokenTopKRouter(nn.Module):
         self.num_experts = num_experts
         self.top_k = top_k
         self.balance_form = balance_form
-        self.gate = nn.Linear(hidden_size, num_experts, bias=False)
-        nn.init.zeros_(self.gate.weight)
+        self.gate = linear_gate(hidden_size, num_experts, generator)
 
     def forward(self, hidden: torch.Tensor) -> Routing:
         logits = self.gate(hidden.to(self.gate.weight.dtype)).float()

@@ -12,7 +12,7 @@ from dataclasses import replace
 from ondevice_moe.federation.rules import ServerRule
 from ondevice_moe.layout import lora_experts
 from ondevice_moe.methods.base import Method, MethodContext, Procedure, Sharing, same_for_all
-from ondevice_moe.methods.comigs.config import LoRASizes
+from ondevice_moe.methods.comigs.config import FedAvgMoEOptions, LoRASizes
 from ondevice_moe.methods.comigs.method import lora_layout
 
 PRIVATE_PAIR = lora_experts(("private", "private"))
@@ -42,11 +42,14 @@ def local_moe(options: LoRASizes, context: MethodContext) -> Method:
     return Method("local-moe", same_for_all(context.num_users, layout), procedure=Procedure(routers="joint"))
 
 
-def fedavg_moe(options: LoRASizes, context: MethodContext) -> Method:
-    """FedAvg of a whole two-expert MoE, router included (Table 5, II)."""
+def fedavg_moe(options: FedAvgMoEOptions, context: MethodContext) -> Method:
+    """FedAvg of a two-expert MoE trained jointly (Table 5, II): the experts are
+    averaged, each router stays on its device (as in the authors' baseline), or
+    is averaged too with ``share_router``."""
     layout = lora_layout(options, SHARED_PAIR, "token-topk", "shared")
-    return Method("fedavg-moe", same_for_all(context.num_users, layout), procedure=Procedure(routers="joint"),
-                  server_rule=ServerRule(context.weighting), sharing=Sharing(share_router=True))
+    name = "fedavg-moe-shared-router" if options.share_router else "fedavg-moe"
+    return Method(name, same_for_all(context.num_users, layout), procedure=Procedure(routers="joint"),
+                  server_rule=ServerRule(context.weighting), sharing=Sharing(share_router=options.share_router))
 
 
 def ffa_lora(options: LoRASizes, context: MethodContext) -> Method:

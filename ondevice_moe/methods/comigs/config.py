@@ -28,6 +28,14 @@ class LoRABaselineOptions(MethodOptions, LoRASizes):
     """Options of the CoMiGS baselines: the LoRA sizes and a label."""
 
 
+class FedAvgMoEOptions(LoRABaselineOptions):
+    """``share_router``: also average the routers (``fedavg-moe-shared-router``).
+    Off by default: the authors' FedAvg-MoE baseline (epfml/CoMiGS) averages
+    the experts only and keeps each router on its device."""
+
+    share_router: bool = False
+
+
 class CoMiGSOptions(LoRABaselineOptions):
     """``variant``: ``1G1S`` (one generalist, one specialist), ``2G`` / ``2S``
     (Table 5 ablations), ``1GXs`` (one generalist and ``experts[i] − 1``

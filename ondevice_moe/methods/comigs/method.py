@@ -29,11 +29,16 @@ def lora_layout(options: LoRASizes, experts: tuple[ExpertSpec, ...], router: str
 
 
 def comigs(options: CoMiGSOptions, context: MethodContext) -> Method:
-    """CoMiGS-1G1S / 2G / 2S / 1GXs (§3.1–3.2)."""
+    """CoMiGS-1G1S / 2G / 2S / 1GXs (§3.1–3.2).
+
+    2S is fully local, its attention LoRA private too: the authors' ``comigs_2s``
+    runs never aggregate anything. 2G shares everything but the routers.
+    """
     generalist, specialist = ExpertSpec(options.generalist, "shared"), ExpertSpec(options.specialist, "private")
     fixed = {"1G1S": (generalist, specialist), "2G": (generalist, generalist), "2S": (specialist, specialist)}
     if options.variant in fixed:
-        layouts = tuple(lora_layout(options, fixed[options.variant], "token-topk", "shared", options.adapter_rank)
+        attention = "private" if options.variant == "2S" else "shared"
+        layouts = tuple(lora_layout(options, fixed[options.variant], "token-topk", attention, options.adapter_rank)
                         for _ in range(context.num_users))
     else:
         counts = options.experts
