@@ -105,6 +105,7 @@ class DataSection(_Section):
     valid_tokens: int = Field(200_000, ge=1)
     test_tokens: int = Field(200_000, ge=1)
     max_eval_blocks: int | None = Field(None, ge=1)
+    router_validation: Literal["own", "union"] = "own"
 
     def budgets(self, user: int) -> dict[str, int]:
         """Token budgets of one user's train / valid / test splits."""

@@ -1,13 +1,17 @@
 """CoMiGS Alg. 1: experts move on training batches, routers on validation batches only."""
 
 import itertools
+from pathlib import Path
 
 import pytest
 import torch
 from conftest import VOCAB
 
+from ondevice_moe.federation import device as dev
+from ondevice_moe.federation.job import Job
 from ondevice_moe.layout import attach_layout
 from ondevice_moe.methods import method_for
+from ondevice_moe.recipe import load_recipe
 from ondevice_moe.training import DeviceTrainer, TrainingConfig
 
 
@@ -119,3 +123,14 @@ def test_one_cycle_cosine_warms_up_then_decays():
     assert factors[2] == pytest.approx(1.0)
     assert all(a >= b for a, b in itertools.pairwise(factors[2:]))
     assert factors[20] == pytest.approx(1e-4) and factors[24] == pytest.approx(1e-4)
+
+
+@pytest.mark.parametrize("router_validation", ["own", "union"])
+def test_routers_learn_on_the_target_distribution(tmp_path, router_validation):
+    recipe = load_recipe(Path(__file__).parent / "recipes" / "tiny.yaml",
+                         [f"data.router_validation={router_validation}"])
+    job = Job(recipe, method_index=2, run_dir=tmp_path)
+    assert job.method.name == "comigs-1G1S"
+    valid = [dev.user_data(job, user).valid for user in range(len(recipe.data.users))]
+    expected = torch.cat(valid) if router_validation == "union" else valid[1]
+    assert torch.equal(dev.router_blocks(job, 1), expected)

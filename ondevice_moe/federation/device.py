@@ -88,6 +88,21 @@ def device_split(job: Job, device: int, split: str) -> torch.Tensor:
     return torch.cat([user_data(job, u).split(split) for u in users_of_device(job, device)])
 
 
+def router_blocks(job: Job, device: int) -> torch.Tensor:
+    """The blocks a device's routers learn on (CoMiGS eq. 4).
+
+    The validation split "reflects the target distribution" (§2.1): the
+    device's own (``data.router_validation: own``), or, when the target is the
+    union of all users' distributions (the out-of-distribution task, §3.1.2,
+    Fig. 4), every user's validation split (``union``). The ``-tr`` ablation
+    uses the training split.
+    """
+    split = job.method.procedure.router_data
+    if split == "valid" and job.recipe.data.router_validation == "union":
+        return torch.cat([user_data(job, user).valid for user in range(len(job.recipe.data.users))])
+    return device_split(job, device, split)
+
+
 def eval_blocks(job: Job, user: int) -> torch.Tensor:
     test = user_data(job, user).test
     cap = job.recipe.data.max_eval_blocks
@@ -270,7 +285,7 @@ def _train_language_model(job: Job, device: int, trainer: DeviceTrainer, seed: i
     metrics = trainer.train_iterations(
         job.recipe.federation.local_iterations,
         batch_sampler(train_blocks, batch, seed, "train"),
-        batch_sampler(device_split(job, device, router_split), batch, seed, f"router-{router_split}"),
+        batch_sampler(router_blocks(job, device), batch, seed, f"router-{router_split}"),
     )
     return metrics, int(train_blocks.shape[0])
 
