@@ -259,7 +259,16 @@ class TrainingSection(_Section):
     warmup_fraction: float = Field(0.05, gt=0, lt=1)
     grad_clip: float = Field(1.0, gt=0)
     weight_decay: float = Field(0.0, ge=0)
-    lr_schedule: Literal["one-cycle-cosine", "constant"] = "one-cycle-cosine"
+    router_weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    lr_schedule: Literal["one-cycle-cosine", "cosine", "constant"] = "one-cycle-cosine"
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, betas: tuple[float, float]) -> tuple[float, float]:
+        if not all(0 <= beta < 1 for beta in betas):
+            raise ValueError(f"AdamW betas must lie in [0, 1), got {list(betas)}")
+        return betas
 
 
 class MethodEntry(BaseModel):

@@ -22,9 +22,13 @@ from ondevice_moe.routing.hermes import counting_real_tokens
 
 @dataclass(frozen=True)
 class TrainingConfig:
-    """Defaults follow CoMiGS App. B.1.2: lr 2e-3 (one-cycle cosine) for experts,
-    2e-3 constant for routers, τ = 30, s = 10, balance weight 0.01. Hermes uses
-    Adam at 2e-4 with weight decay 1e-4 and a constant rate (§5.1)."""
+    """Defaults follow the text of CoMiGS App. B.1.2: lr 2e-3 (one-cycle cosine)
+    for experts, 2e-3 constant for routers, τ = 30, s = 10, balance weight 0.01,
+    with AdamW's own β and no weight decay. The authors' code (epfml/CoMiGS,
+    ``collab_utils/clients.py``) differs: AdamW β = (0.9, 0.95), weight decay
+    1e-2 on experts and routers, and ``lr_schedule="cosine"`` (cosine annealing
+    to lr/10, no warm-up); the bundled CoMiGS recipes use the code's settings.
+    Hermes uses Adam at 2e-4 with weight decay 1e-4 and a constant rate (§5.1)."""
 
     lr: float = 2e-3
     router_lr: float = 2e-3
@@ -36,7 +40,9 @@ class TrainingConfig:
     warmup_fraction: float = 0.05
     grad_clip: float = 1.0
     weight_decay: float = 0.0
-    lr_schedule: Literal["one-cycle-cosine", "constant"] = "one-cycle-cosine"
+    router_weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    lr_schedule: Literal["one-cycle-cosine", "cosine", "constant"] = "one-cycle-cosine"
 
 
 Batch = dict[str, torch.Tensor]
@@ -67,17 +73,23 @@ class DeviceTrainer:
         if self.method.procedure.routers == "joint":
             expert_params += self.router_parameters()
         if expert_params:
-            self.expert_optimizer = torch.optim.AdamW(expert_params, lr=self.config.lr,
+            self.expert_optimizer = torch.optim.AdamW(expert_params, lr=self.config.lr, betas=self.config.betas,
                                                       weight_decay=self.config.weight_decay)
-            total = max(self.config.total_iterations, 1)
-            warmup = max(1, round(self.config.warmup_fraction * total))
-            schedule = (lambda step: one_cycle_cosine(step, total, warmup)) \
-                if self.config.lr_schedule == "one-cycle-cosine" else (lambda step: 1.0)
-            self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.expert_optimizer, schedule)
+            self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.expert_optimizer, self._schedule())
         if self.method.procedure.routers == "bilevel" and self.router_parameters():
-            self.router_optimizer = torch.optim.AdamW(
-                self.router_parameters(), lr=self.config.router_lr, weight_decay=0.0
-            )
+            self.router_optimizer = torch.optim.AdamW(self.router_parameters(), lr=self.config.router_lr,
+                                                      betas=self.config.betas,
+                                                      weight_decay=self.config.router_weight_decay)
+
+    def _schedule(self) -> Callable[[int], float]:
+        """The experts' learning-rate factor per step."""
+        total = max(self.config.total_iterations, 1)
+        if self.config.lr_schedule == "one-cycle-cosine":
+            warmup = max(1, round(self.config.warmup_fraction * total))
+            return lambda step: one_cycle_cosine(step, total, warmup)
+        if self.config.lr_schedule == "cosine":
+            return lambda step: cosine_to_tenth(step, total)
+        return lambda step: 1.0
 
     # -- parameter groups -------------------------------------------------
     def expert_parameters(self) -> list[nn.Parameter]:
@@ -178,6 +190,13 @@ def one_cycle_cosine(step: int, total: int, warmup: int, start: float = 1 / 25, 
         return start + (1 - start) * step / warmup
     progress = min(1.0, (step - warmup) / max(total - warmup, 1))
     return end + (1 - end) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def cosine_to_tenth(step: int, total: int) -> float:
+    """Learning-rate factor of ``CosineAnnealingLR(T_max=total, eta_min=lr/10)``, the
+    experts' schedule in the CoMiGS authors' code: from 1 to 0.1, held there afterwards."""
+    progress = min(1.0, step / total)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def model_device(model: nn.Module) -> torch.device:

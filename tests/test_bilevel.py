@@ -134,3 +134,36 @@ def test_routers_learn_on_the_target_distribution(tmp_path, router_validation):
     valid = [dev.user_data(job, user).valid for user in range(len(recipe.data.users))]
     expected = torch.cat(valid) if router_validation == "union" else valid[1]
     assert torch.equal(dev.router_blocks(job, 1), expected)
+
+
+def test_cosine_schedule_follows_the_authors_cosine_annealing_to_a_tenth(tiny_model):
+    trainer = _trainer(tiny_model)
+    trainer = DeviceTrainer(trainer.model, trainer.method,
+                            TrainingConfig(lr=2e-3, total_iterations=12, lr_schedule="cosine"))
+    reference_optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=2e-3)
+    reference = torch.optim.lr_scheduler.CosineAnnealingLR(reference_optimizer, T_max=12, eta_min=2e-4)
+    for _ in range(12):
+        assert trainer.scheduler.get_last_lr()[0] == pytest.approx(reference.get_last_lr()[0])
+        trainer.expert_optimizer.step()
+        trainer.scheduler.step()
+        reference_optimizer.step()
+        reference.step()
+    assert trainer.scheduler.get_last_lr()[0] == pytest.approx(2e-4)
+
+
+def test_recipe_optimiser_settings_reach_both_optimisers(tiny_model, tmp_path):
+    recipe = load_recipe(Path(__file__).parent / "recipes" / "tiny.yaml",
+                         ["training.betas=[0.9, 0.95]", "training.weight_decay=0.01",
+                          "training.router_weight_decay=0.02"])
+    trainer = DeviceTrainer(_trainer(tiny_model).model, method_for("comigs", 2),
+                            Job(recipe, method_index=2, run_dir=tmp_path).training)
+    experts, routers = trainer.expert_optimizer.param_groups[0], trainer.router_optimizer.param_groups[0]
+    assert experts["betas"] == routers["betas"] == (0.9, 0.95)
+    assert (experts["weight_decay"], routers["weight_decay"]) == (0.01, 0.02)
+
+
+def test_betas_outside_the_unit_interval_are_refused():
+    from ondevice_moe.errors import UserError
+
+    with pytest.raises(UserError, match="betas"):
+        load_recipe(Path(__file__).parent / "recipes" / "tiny.yaml", ["training.betas=[0.9, 1.5]"])

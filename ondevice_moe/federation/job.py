@@ -52,7 +52,8 @@ class Job:
             lr=t.lr, router_lr=t.router_lr, router_period=t.router_period, router_steps=t.router_steps,
             balance_weight=t.balance_weight, batch_size=self.batch_size,
             total_iterations=fed.rounds * fed.local_iterations, warmup_fraction=t.warmup_fraction,
-            grad_clip=t.grad_clip, weight_decay=t.weight_decay, lr_schedule=t.lr_schedule,
+            grad_clip=t.grad_clip, weight_decay=t.weight_decay, router_weight_decay=t.router_weight_decay,
+            betas=t.betas, lr_schedule=t.lr_schedule,
         )
 
     def to_file(self, path: Path) -> Path:
