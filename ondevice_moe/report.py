@@ -120,6 +120,9 @@ def summarize(records: list[dict[str, Any]], methods: list[str], users: list[str
         for key, short in keys.items():
             entry[f"mean_{short}"], entry[f"std_{short}"] = _mean_std([final[u][key] for u in users])
         entry["upload_bytes_per_round"] = statistics.fmean(r["bytes_up"] for r in comm) if comm else 0.0
+        # Tensors outside experts and routers: the task head (pooler, classifier), or the base for fed-ft.
+        entry["upload_outside_experts_bytes_per_round"] = (
+            statistics.fmean(r.get("bytes_up_not_experts", 0) for r in comm) if comm else 0.0)
         entry["download_bytes_per_round"] = statistics.fmean(r["bytes_down"] for r in comm) if comm else 0.0
         entry["dropped"] = dict(Counter(r["user"] for r in records if r["method"] == method and r["kind"] == "drop"))
         summary["methods"][method] = entry
@@ -134,12 +137,16 @@ def table_rows(summary: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     shorts = ["in", "out"] if language else ["score"]
     labels = ["mean (std) in-dist", "mean (std) out-of-dist"] if language else ["mean (std)"]
     per_user = shorts[0]
+    outside = any(m.get("upload_outside_experts_bytes_per_round", 0) > 0 for m in methods.values())
     header = ["method", *users, *labels, "upload / round (all devices)"]
+    header += ["of which head (or base)"] if outside else []
     rows = []
     for name, m in methods.items():
         cells = [f"{m[f'mean_{short}']:.2f} ({m[f'std_{short}']:.2f})" for short in shorts]
-        rows.append([name, *(f"{m['per_user'][u][per_user]:.2f}" for u in users), *cells,
-                     format_bytes(m["upload_bytes_per_round"])])
+        row = [name, *(f"{m['per_user'][u][per_user]:.2f}" for u in users), *cells,
+               format_bytes(m["upload_bytes_per_round"])]
+        row += [format_bytes(m.get("upload_outside_experts_bytes_per_round", 0))] if outside else []
+        rows.append(row)
     return header, rows
 
 

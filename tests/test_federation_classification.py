@@ -43,3 +43,17 @@ def test_eval_command_recomputes_the_final_scores(run):
     assert outcome.exit_code == 0, outcome.output
     mean = result.summary["methods"]["hermes"]["mean_score"]
     assert f"{mean:.2f}" in outcome.output
+
+
+def test_task_head_bytes_are_reported_apart_from_the_experts(run):
+    _, result = run
+    from ondevice_moe.models.tiny import tiny_model
+
+    base = tiny_model("tiny-bert", 257, num_labels=2)
+    head_bytes = sum(p.nbytes for n, p in base.named_parameters() if n.startswith(("classifier", "bert.pooler")))
+    for name in ("hermes", "fed-lora"):
+        method = result.summary["methods"][name]
+        devices = len(result.summary["users"])
+        assert method["upload_outside_experts_bytes_per_round"] == devices * head_bytes
+        assert method["upload_bytes_per_round"] > method["upload_outside_experts_bytes_per_round"]
+    assert "of which head (or base)" in (result.run_dir / "report.md").read_text()

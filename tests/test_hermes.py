@@ -56,6 +56,22 @@ def test_unselected_experts_get_no_gradient_and_are_not_uploaded(hermes_trainer)
     assert all(usage[n] == 4 * 12 for n in uploaded if "adapters" in n)
 
 
+def test_each_block_uploads_its_top_k_experts_by_round_usage():
+    base = tiny_model("tiny-bert", 257, num_labels=2).eval().requires_grad_(False)
+    method = method_for("hermes", 2, top_k=2)
+    trainer = DeviceTrainer(attach_layout(base, method.layouts[0], seed=0), method, TrainingConfig())
+    routers = hermes_routers(trainer.model)
+    for router in routers:  # lora, adapter, prefix = shared_0, _1, _2: every expert had some tokens
+        router.usage.copy_(torch.tensor([5.0, 1.0, 3.0]))
+    routers[0].usage.copy_(torch.tensor([1.0, 5.0, 3.0]))
+    uploaded = set(shared_state(trainer))
+    blocks = {"layer.0.": {"shared_1", "shared_2"}, "layer.1.": {"shared_0", "shared_2"}}
+    for block, expected in blocks.items():
+        experts = {name for name in ("shared_0", "shared_1", "shared_2")
+                   if any(block in n and f".{name}" in n for n in uploaded)}
+        assert experts == expected, (block, experts)
+
+
 def test_usage_counts_real_tokens_not_padding(hermes_trainer):
     batch = _batch()
     batch["attention_mask"][:, 9:] = 0  # right padding: 3 of 12 positions in every row

@@ -167,16 +167,34 @@ def travels(method: Method, name: str) -> bool:
 def shared_state(trainer: DeviceTrainer) -> dict[str, torch.Tensor]:
     """The tensors that leave the device: shared and trainable.
 
-    With ``sharing.selected_only`` (Hermes), experts that no token selected in
-    the round stay home.
+    With ``sharing.selected_only`` (Hermes §4.3), only each block's most used
+    experts of the round travel (:func:`experts_left_home`).
     """
-    usage = expert_usage(trainer.model)
-    selected_only = trainer.method.sharing.selected_only
+    left_home = experts_left_home(trainer.model) if trainer.method.sharing.selected_only else set()
     return {
         name: tensor.clone()
         for name, tensor in trainable_state(trainer.model).items()
-        if travels(trainer.method, name) and not (selected_only and usage.get(name, 1.0) == 0)
+        if travels(trainer.method, name) and name not in left_home
     }
+
+
+def experts_left_home(model: nn.Module) -> set[str]:
+    """Parameter names of the routed experts a device keeps this round.
+
+    Hermes §4.3: "each client uploads only the parameters of its selected
+    top-k PEFT modules". With per-token routing some token selects nearly
+    every expert in a round, so counting any selection would save nothing.
+    Per block, the router's ``top_k`` experts with the most tokens this round
+    travel (never one that no token selected); the others stay home.
+    """
+    kept: set[int] = set()
+    for router in hermes_routers(model):
+        ranked = torch.argsort(router.usage, descending=True, stable=True).tolist()
+        uploaded = {index for index in ranked[: router.top_k] if router.usage[index] > 0}
+        for index, expert in enumerate(router.experts):
+            if index not in uploaded:
+                kept.update(id(param) for param in router.expert_params.get(expert, []))
+    return {name for name, param in model.named_parameters() if id(param) in kept}
 
 
 def upload_reference(job: Job, device: int) -> dict[str, torch.Tensor]:

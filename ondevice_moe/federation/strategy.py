@@ -38,6 +38,7 @@ from ondevice_moe.federation.aggregation import Update, check_update
 from ondevice_moe.federation.evaluation import user_values
 from ondevice_moe.federation.job import Job
 from ondevice_moe.federation.rules import Slots
+from ondevice_moe.methods.base import is_expert_tensor
 from ondevice_moe.recipe import FederationSection
 from ondevice_moe.report import MetricsLog
 
@@ -157,7 +158,7 @@ class SlotStrategy(Strategy):
                         replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
         sound: list[Update] = []
         drops: dict[int, str] = {}
-        bytes_up = 0
+        bytes_up = bytes_up_other = 0
         for device, reply in self._by_device(replies, self._round["sampled"], drops):
             update, metrics, size, problem = self._read_update(reply, device)
             problem = problem or check_update(update, self._reference(device), self.rule.partial_uploads)
@@ -166,6 +167,7 @@ class SlotStrategy(Strategy):
                 continue
             sound.append(update)
             bytes_up += size
+            bytes_up_other += sum(t.nbytes for name, t in update.tensors.items() if not is_expert_tensor(name))
             self.log.write({"method": self.job.method.name, "round": server_round, "kind": "train",
                             "user": self._user(device), **metrics})
         self._record_drops(server_round, "train", drops)
@@ -176,7 +178,8 @@ class SlotStrategy(Strategy):
                 f"fewer than federation.min_clients={self.federation.min_clients} ({reasons or 'no replies'})")
         self.slots = self.rule.aggregate(self.slots, sound)
         self.log.write({"method": self.job.method.name, "round": server_round, "kind": "comm", "bytes_up": bytes_up,
-                        "bytes_down": self._round["bytes_down"], "devices": len(sound), "dropped": len(drops)})
+                        "bytes_up_not_experts": bytes_up_other, "bytes_down": self._round["bytes_down"],
+                        "devices": len(sound), "dropped": len(drops)})
         self._round.update(bytes_up=bytes_up, drops=sorted(drops))
         if not self.evaluates(server_round):
             self._report(server_round, None)

@@ -129,6 +129,15 @@ class Method:
         return parts[-1] not in self.sharing.frozen_matrices
 
 
+EXPERT_SEGMENTS = frozenset({"adapters", "experts", "prefix", "router"})
+
+
+def is_expert_tensor(name: str) -> bool:
+    """Whether a parameter belongs to an expert or a router (by the module names the
+    layout gives them); anything else trainable is a task head, or the base when fully fine-tuned."""
+    return not EXPERT_SEGMENTS.isdisjoint(name.split("."))
+
+
 def same_for_all(num_users: int, layout: Layout | None) -> tuple[Layout | None, ...]:
     """The same layout on every device."""
     return tuple(layout for _ in range(num_users))
