@@ -302,6 +302,7 @@ class Recipe(_Section):
     name: str
     description: str = ""
     seed: int = 0
+    data_seed: int | None = None
     model: ModelSection = ModelSection()
     experts: LoRASizes = LoRASizes()
     hermes: HermesSizes = HermesSizes()
@@ -310,6 +311,13 @@ class Recipe(_Section):
     federation: FederationSection = FederationSection()
     training: TrainingSection = TrainingSection()
     methods: list[MethodEntry] = Field(min_length=1)
+
+    @property
+    def split_seed(self) -> int:
+        """The seed of the data: users' splits, the Dirichlet partition, synthetic tasks.
+        ``data_seed`` when given, so that runs over training ``seed``s share one split
+        and their spread is training variance; otherwise ``seed``."""
+        return self.seed if self.data_seed is None else self.data_seed
 
     @model_validator(mode="after")
     def _one_kind_of_run(self) -> Recipe:

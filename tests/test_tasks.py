@@ -4,10 +4,12 @@ import dataclasses
 import json
 import math
 from collections import Counter
+from pathlib import Path
 
 import datasets
 import numpy as np
 import pytest
+import torch
 from scipy.stats import spearmanr
 from sklearn.metrics import accuracy_score, f1_score, matthews_corrcoef, mean_squared_error
 
@@ -25,9 +27,11 @@ from ondevice_moe.data.tasks import (
     user_task,
 )
 from ondevice_moe.errors import UserError
+from ondevice_moe.federation import device as dev
+from ondevice_moe.federation.job import Job
 from ondevice_moe.metrics import METRICS, accuracy, binary_f1, matthews_correlation, spearman, task_score
 from ondevice_moe.models.tiny import byte_tokenizer
-from ondevice_moe.recipe import TaskSection
+from ondevice_moe.recipe import TaskSection, load_recipe
 
 # ---------------------------------------------------------------- tasks
 
@@ -369,3 +373,15 @@ def test_task_score_dispatches_and_rejects_unknown_metrics():
     assert task_score("f1", [1, 0, 1], [1, 1, 1]) == pytest.approx(0.8)
     with pytest.raises(UserError, match="bleu"):
         task_score("bleu", [1], [1])
+
+
+def test_data_seed_fixes_the_partition_across_training_seeds(tmp_path):
+    recipe_path = Path(__file__).parent / "recipes" / "tiny-classification.yaml"
+
+    def labels_of_client_0(*overrides: str) -> torch.Tensor:
+        recipe = load_recipe(recipe_path, list(overrides))
+        return dev.federated_task(Job(recipe, 0, tmp_path)).train[0].labels
+
+    same_data = labels_of_client_0("seed=1", "data_seed=0"), labels_of_client_0("seed=2", "data_seed=0")
+    assert torch.equal(*same_data)
+    assert not torch.equal(labels_of_client_0("seed=1"), labels_of_client_0("seed=2"))

@@ -51,15 +51,15 @@ _TASKS: dict[str, FederatedTask | SmallFederatedTask] = {}
 def federated_task(job: Job) -> FederatedTask | SmallFederatedTask:
     """The task dealt to the clients, built once per process: texts (tokenized) or small tensors."""
     task = job.recipe.task
-    key = task.model_dump_json() + job.recipe.model.name + str(job.recipe.seed)
+    key = task.model_dump_json() + job.recipe.model.name + str(job.recipe.split_seed)
     if key not in _TASKS:
         spec = task.spec()
         if spec.is_text:
             _TASKS[key] = build_federated_task(
                 spec, task.clients, task.dirichlet_alpha, job_base_model(job).tokenizer, task.max_length,
-                job.recipe.seed, task.max_train_examples, task.max_test_examples)
+                job.recipe.split_seed, task.max_train_examples, task.max_test_examples)
         else:
-            _TASKS[key] = build_small_task(task.name, task.clients, job.recipe.seed, task.clusters,
+            _TASKS[key] = build_small_task(task.name, task.clients, job.recipe.split_seed, task.clusters,
                                            task.dirichlet_alpha, task.data_fraction)
     return _TASKS[key]
 
@@ -69,13 +69,13 @@ _DATA: dict[tuple[str, int], UserData] = {}
 
 def user_data(job: Job, user: int) -> UserData:
     """User ``user``'s blocks, built once per process."""
-    key = (job.recipe.data.model_dump_json() + job.recipe.model.name + str(job.recipe.seed), user)
+    key = (job.recipe.data.model_dump_json() + job.recipe.model.name + str(job.recipe.split_seed), user)
     if key not in _DATA:
         data = job.recipe.data
         section = data.users[user]
         sources = [SourceSpec(s.source, s.options(), s.weight) for s in section.sources]
         _DATA[key] = build_user_data(section.name, sources, job_base_model(job).tokenizer, data.budgets(user),
-                                     data.context_length, job.recipe.seed + 7919 * user)
+                                     data.context_length, job.recipe.split_seed + 7919 * user)
     return _DATA[key]
 
 
