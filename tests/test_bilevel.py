@@ -167,3 +167,11 @@ def test_betas_outside_the_unit_interval_are_refused():
 
     with pytest.raises(UserError, match="betas"):
         load_recipe(Path(__file__).parent / "recipes" / "tiny.yaml", ["training.betas=[0.9, 1.5]"])
+
+
+@pytest.mark.parametrize("name", ["local-moe", "fedavg-moe"])
+def test_tr_ablation_alternates_router_steps_on_training_batches(name):
+    joint, alternating = method_for(name, 2), method_for(name, 2, alternate_on_train=True)
+    assert joint.procedure.routers == "joint"
+    assert (alternating.name, alternating.procedure.routers, alternating.procedure.router_data) == (
+        f"{name}-tr", "bilevel", "train")

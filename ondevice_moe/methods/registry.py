@@ -17,7 +17,12 @@ from pydantic import ValidationError
 from ondevice_moe.errors import UserError
 from ondevice_moe.methods.base import Method, MethodContext, MethodOptions
 from ondevice_moe.methods.comigs import baselines as comigs_baselines
-from ondevice_moe.methods.comigs.config import CoMiGSOptions, FedAvgMoEOptions, LoRABaselineOptions
+from ondevice_moe.methods.comigs.config import (
+    CoMiGSOptions,
+    FedAvgMoEOptions,
+    LoRABaselineOptions,
+    MoEBaselineOptions,
+)
 from ondevice_moe.methods.comigs.method import comigs
 from ondevice_moe.methods.hermes import baselines as hermes_baselines
 from ondevice_moe.methods.hermes.config import HermesBaselineOptions, HermesOptions
@@ -47,7 +52,7 @@ METHODS: dict[str, MethodSpec] = {
     "pretrained": MethodSpec(LoRABaselineOptions, comigs_baselines.pretrained, _ANY, "experts"),
     "local": MethodSpec(LoRABaselineOptions, comigs_baselines.local, _LM, "experts"),
     "fedavg": MethodSpec(LoRABaselineOptions, comigs_baselines.fedavg, _LM, "experts"),
-    "local-moe": MethodSpec(LoRABaselineOptions, comigs_baselines.local_moe, _LM, "experts"),
+    "local-moe": MethodSpec(MoEBaselineOptions, comigs_baselines.local_moe, _LM, "experts"),
     "fedavg-moe": MethodSpec(FedAvgMoEOptions, comigs_baselines.fedavg_moe, _LM, "experts"),
     "ffa-lora": MethodSpec(LoRABaselineOptions, comigs_baselines.ffa_lora, _LM, "experts"),
     "fedsa-lora": MethodSpec(LoRABaselineOptions, comigs_baselines.fedsa_lora, _LM, "experts"),

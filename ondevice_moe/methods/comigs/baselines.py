@@ -12,7 +12,7 @@ from dataclasses import replace
 from ondevice_moe.federation.rules import ServerRule
 from ondevice_moe.layout import lora_experts
 from ondevice_moe.methods.base import Method, MethodContext, Procedure, Sharing, same_for_all
-from ondevice_moe.methods.comigs.config import FedAvgMoEOptions, LoRASizes
+from ondevice_moe.methods.comigs.config import FedAvgMoEOptions, LoRASizes, MoEBaselineOptions
 from ondevice_moe.methods.comigs.method import lora_layout
 
 PRIVATE_PAIR = lora_experts(("private", "private"))
@@ -36,19 +36,27 @@ def fedavg(options: LoRASizes, context: MethodContext) -> Method:
     return Method("fedavg", same_for_all(context.num_users, layout), server_rule=ServerRule(context.weighting))
 
 
-def local_moe(options: LoRASizes, context: MethodContext) -> Method:
-    """Two private experts and a router trained jointly on the training loss (Table 5, II)."""
+def _moe_procedure(options: MoEBaselineOptions) -> Procedure:
+    """Joint router updates (Table 5, II), or alternating ones on training batches (III, ``-tr``)."""
+    return Procedure(routers="bilevel", router_data="train") if options.alternate_on_train else \
+        Procedure(routers="joint")
+
+
+def local_moe(options: MoEBaselineOptions, context: MethodContext) -> Method:
+    """Two private experts and a router on the training loss (Table 5, II; III with ``-tr``)."""
     layout = lora_layout(options, PRIVATE_PAIR, "token-topk", "private")
-    return Method("local-moe", same_for_all(context.num_users, layout), procedure=Procedure(routers="joint"))
+    name = "local-moe-tr" if options.alternate_on_train else "local-moe"
+    return Method(name, same_for_all(context.num_users, layout), procedure=_moe_procedure(options))
 
 
 def fedavg_moe(options: FedAvgMoEOptions, context: MethodContext) -> Method:
-    """FedAvg of a two-expert MoE trained jointly (Table 5, II): the experts are
+    """FedAvg of a two-expert MoE (Table 5, II; III with ``-tr``): the experts are
     averaged, each router stays on its device (as in the authors' baseline), or
     is averaged too with ``share_router``."""
     layout = lora_layout(options, SHARED_PAIR, "token-topk", "shared")
-    name = "fedavg-moe-shared-router" if options.share_router else "fedavg-moe"
-    return Method(name, same_for_all(context.num_users, layout), procedure=Procedure(routers="joint"),
+    name = "fedavg-moe" + ("-shared-router" if options.share_router else "") + \
+        ("-tr" if options.alternate_on_train else "")
+    return Method(name, same_for_all(context.num_users, layout), procedure=_moe_procedure(options),
                   server_rule=ServerRule(context.weighting), sharing=Sharing(share_router=options.share_router))
 
 

@@ -28,10 +28,19 @@ class LoRABaselineOptions(MethodOptions, LoRASizes):
     """Options of the CoMiGS baselines: the LoRA sizes and a label."""
 
 
-class FedAvgMoEOptions(LoRABaselineOptions):
+class MoEBaselineOptions(LoRABaselineOptions):
+    """``alternate_on_train``: the ``-tr`` rows of CoMiGS Table 5 (III) — routers
+    updated in alternation with the experts, every τ iterations for s steps, on
+    freshly sampled *training* batches (the authors' ``-is_alter -alter_on_train``)
+    instead of jointly with the experts (Table 5, II)."""
+
+    alternate_on_train: bool = False
+
+
+class FedAvgMoEOptions(MoEBaselineOptions):
     """``share_router``: also average the routers (``fedavg-moe-shared-router``).
-    Off by default: the authors' FedAvg-MoE baseline (epfml/CoMiGS) averages
-    the experts only and keeps each router on its device."""
+    Off by default: the authors' FedAvg-MoE baseline (epfml/CoMiGS, ``-as experts``)
+    averages the experts only and keeps each router on its device."""
 
     share_router: bool = False
 
