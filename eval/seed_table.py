@@ -1,19 +1,30 @@
-"""Per-method table over several runs (seeds), as in CoMiGS Table 2 and Hermes Table 1.
+"""Per-method table over several runs (seeds), as in CoMiGS Table 2 and Hermes Table 1,
+and a paired comparison of every method against one of them.
 
-Usage: python eval/seed_table.py RUN [RUN ...]
+Usage: python eval/seed_table.py RUN [RUN ...] [--against METHOD]
 
 Each RUN is a run folder with a ``summary.json``. For every method found in
 all runs it prints, over runs, the mean (std) of the users' mean value —
 test perplexity in and out of distribution for language modelling, the task
 score for classification — its mean std over users, and the upload per round.
+
+``--against METHOD`` adds the paired comparison: for every (run, user) pair
+the method's value minus METHOD's, their mean and standard error, and the
+two-sided p-values of a paired t-test and of a Wilcoxon signed-rank test over
+the pairs. A gap counts as larger than its noise when both p < 0.05.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import math
 import statistics
-import sys
 from pathlib import Path
+
+from scipy import stats
+
+SIGNIFICANCE = 0.05
 
 
 def load_summaries(runs: list[Path]) -> list[dict]:
@@ -31,15 +42,22 @@ def _spread(values: list[float]) -> str:
     return f"{statistics.fmean(values):.2f} ({deviation:.2f})"
 
 
-def seed_table(summaries: list[dict]) -> str:
-    methods = [m for m in summaries[0]["methods"] if all(m in s["methods"] for s in summaries)]
+def _common_methods(summaries: list[dict]) -> list[str]:
+    return [m for m in summaries[0]["methods"] if all(m in s["methods"] for s in summaries)]
+
+
+def _value_keys(summaries: list[dict]) -> list[str]:
     language = any("mean_in" in m for m in summaries[0]["methods"].values())
-    keys = ["in", "out"] if language else ["score"]
+    return ["in", "out"] if language else ["score"]
+
+
+def seed_table(summaries: list[dict]) -> str:
+    keys = _value_keys(summaries)
     runs = len(summaries)
     header = ["method", *(f"{k}: mean (std) over {runs} run(s)" for k in keys),
               *(f"{k}: std over users" for k in keys), "upload / round (MiB)"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for method in methods:
+    for method in _common_methods(summaries):
         entries = [s["methods"][method] for s in summaries]
         cells = [_spread([e[f"mean_{k}"] for e in entries]) for k in keys]
         cells += [f"{statistics.fmean(e[f'std_{k}'] for e in entries):.2f}" for k in keys]
@@ -48,11 +66,60 @@ def seed_table(summaries: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def paired_differences(summaries: list[dict], method: str, reference: str, key: str) -> list[float]:
+    """``method − reference`` for every (run, user) pair, on the per-user value ``key``."""
+    differences = []
+    for summary in summaries:
+        ours, theirs = summary["methods"][method]["per_user"], summary["methods"][reference]["per_user"]
+        differences += [ours[user][key] - theirs[user][key] for user in summary["users"]]
+    return differences
+
+
+def paired_test(differences: list[float]) -> tuple[float, float, float, float]:
+    """Mean difference, its standard error, and the p-values of the paired t-test and
+    the Wilcoxon signed-rank test (``nan`` where the pairs cannot decide: fewer than
+    two, or all equal)."""
+    mean = statistics.fmean(differences)
+    if len(differences) < 2 or all(d == differences[0] for d in differences):
+        return mean, 0.0, math.nan, math.nan
+    standard_error = statistics.stdev(differences) / math.sqrt(len(differences))
+    t_p = float(stats.ttest_1samp(differences, 0.0).pvalue)
+    wilcoxon_p = float(stats.wilcoxon(differences).pvalue) if any(differences) else math.nan
+    return mean, standard_error, t_p, wilcoxon_p
+
+
+def paired_table(summaries: list[dict], reference: str) -> str:
+    if reference not in _common_methods(summaries):
+        raise SystemExit(f"error: method '{reference}' is not in every run; "
+                         f"fix: use one of {', '.join(_common_methods(summaries))}")
+    header = ["method", "value", f"mean Δ vs {reference} (s.e.)", "pairs", "paired t p", "Wilcoxon p",
+              "gap larger than noise"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for method in _common_methods(summaries):
+        if method == reference:
+            continue
+        for key in _value_keys(summaries):
+            differences = paired_differences(summaries, method, reference, key)
+            mean, error, t_p, wilcoxon_p = paired_test(differences)
+            larger = t_p < SIGNIFICANCE and wilcoxon_p < SIGNIFICANCE
+            lines.append(f"| {method} | {key} | {mean:+.2f} ({error:.2f}) | {len(differences)} | {t_p:.3g} | "
+                         f"{wilcoxon_p:.3g} | {'yes' if larger else 'no'} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str]) -> None:
-    if not argv:
-        raise SystemExit(__doc__)
-    print(seed_table(load_summaries([Path(a) for a in argv])))
+    options = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    options.add_argument("runs", nargs="+", type=Path, help="run folders holding summary.json")
+    options.add_argument("--against", metavar="METHOD", help="add the paired comparison against METHOD")
+    args = options.parse_args(argv)
+    summaries = load_summaries(args.runs)
+    print(seed_table(summaries))
+    if args.against:
+        print()
+        print(paired_table(summaries, args.against))
 
 
 if __name__ == "__main__":
+    import sys
+
     main(sys.argv[1:])

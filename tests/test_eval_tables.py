@@ -1,0 +1,55 @@
+"""eval/seed_table.py: the table over seeds and the paired comparison."""
+
+import importlib.util
+import math
+import random
+from pathlib import Path
+
+import pytest
+from scipy import stats
+
+PATH = Path(__file__).parent.parent / "eval" / "seed_table.py"
+SPEC = importlib.util.spec_from_file_location("seed_table", PATH)
+seed_table = importlib.util.module_from_spec(SPEC)
+SPEC.loader.exec_module(seed_table)
+
+USERS = ["a", "b", "c", "d"]
+
+
+def _summary(seed: int) -> dict:
+    """Three methods: 'better' is 'base' minus 1 with small noise, 'same' is 'base' plus symmetric noise."""
+    rng = random.Random(seed)
+    base = {u: 30.0 + 5 * i + rng.gauss(0, 2) for i, u in enumerate(USERS)}
+    values = {"base": base,
+              "better": {u: v - 1.0 + rng.gauss(0, 0.1) for u, v in base.items()},
+              "same": {u: v + rng.choice([-1, 1]) * rng.uniform(0.5, 1.5) for u, v in base.items()}}
+    methods = {}
+    for name, per_user in values.items():
+        mean = sum(per_user.values()) / len(USERS)
+        methods[name] = {"per_user": {u: {"in": v, "out": v} for u, v in per_user.items()},
+                         "mean_in": mean, "std_in": 0.0, "mean_out": mean, "std_out": 0.0,
+                         "upload_bytes_per_round": 0.0}
+    return {"users": USERS, "methods": methods}
+
+
+def test_paired_test_matches_scipy():
+    differences = [1.0, 2.0, 1.5, 2.5, 0.5, 1.2]
+    mean, error, t_p, wilcoxon_p = seed_table.paired_test(differences)
+    assert mean == pytest.approx(1.45)
+    assert error == pytest.approx(stats.tstd(differences) / math.sqrt(6))
+    assert t_p == pytest.approx(stats.ttest_rel(differences, [0.0] * 6).pvalue)
+    assert wilcoxon_p == pytest.approx(stats.wilcoxon(differences).pvalue)
+
+
+def test_paired_table_tells_a_consistent_gap_from_noise():
+    summaries = [_summary(seed) for seed in range(3)]
+    table = seed_table.paired_table(summaries, "base")
+    better = next(line for line in table.splitlines() if line.startswith("| better |"))
+    same = next(line for line in table.splitlines() if line.startswith("| same |"))
+    assert "| -1.0" in better and better.endswith("| yes |") and "| 12 |" in better
+    assert same.endswith("| no |")
+
+
+def test_paired_table_names_a_missing_reference():
+    with pytest.raises(SystemExit, match="not in every run"):
+        seed_table.paired_table([_summary(0)], "fedavg")
