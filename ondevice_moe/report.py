@@ -91,6 +91,8 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
 
 # Evaluation record keys → short names in the summary.
 VALUE_KEYS = {"test_ppl_in": "in", "test_ppl_out": "out", "score": "score"}
+# Per-user uncertainty kept beside the values in summary.json (not averaged into mean/std).
+ERROR_KEYS = {"test_nll_se_in": "nll_se_in", "test_nll_se_out": "nll_se_out"}
 
 
 def summarize(records: list[dict[str, Any]], methods: list[str], users: list[str], metric: str = "perplexity"
@@ -115,7 +117,9 @@ def summarize(records: list[dict[str, Any]], methods: list[str], users: list[str
         comm = [r for r in records if r["method"] == method and r["kind"] == "comm"]
         entry: dict[str, Any] = {
             "rounds": last_round,
-            "per_user": {u: {short: final[u][key] for key, short in keys.items()} for u in users},
+            "per_user": {u: {**{short: final[u][key] for key, short in keys.items()},
+                             **{short: final[u][key] for key, short in ERROR_KEYS.items() if key in final[u]}}
+                         for u in users},
         }
         for key, short in keys.items():
             entry[f"mean_{short}"], entry[f"std_{short}"] = _mean_std([final[u][key] for u in users])

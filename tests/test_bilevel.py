@@ -175,3 +175,12 @@ def test_tr_ablation_alternates_router_steps_on_training_batches(name):
     assert joint.procedure.routers == "joint"
     assert (alternating.name, alternating.procedure.routers, alternating.procedure.router_data) == (
         f"{name}-tr", "bilevel", "train")
+
+
+def test_nll_standard_error_is_the_spread_of_block_means_over_root_n():
+    from ondevice_moe.training import nll_standard_error
+
+    per_token = torch.tensor([2.0, 2.2, 1.8, 2.4], dtype=torch.float64)
+    summed = per_token * 31  # blocks of 32 tokens: 31 predicted tokens each
+    assert nll_standard_error(summed, 32) == pytest.approx(float(per_token.std()) / 2)
+    assert nll_standard_error(summed[:1], 32) is None

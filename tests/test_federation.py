@@ -36,6 +36,7 @@ def test_every_method_reports_every_user(tiny_run):
     assert list(result.summary["methods"]) == ["pretrained", "fedavg", "comigs-1G1S"]
     for method in result.summary["methods"].values():
         assert set(method["per_user"]) == set(users)
+        assert all(0 < values["nll_se_in"] < 1 for values in method["per_user"].values())
 
 
 def test_training_lowers_perplexity(tiny_run):

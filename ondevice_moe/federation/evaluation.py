@@ -11,7 +11,7 @@ from torch import nn
 from ondevice_moe.federation import device as dev
 from ondevice_moe.federation.job import Job
 from ondevice_moe.metrics import LOWER_IS_BETTER, task_score
-from ondevice_moe.training import block_nll, perplexity_of, predict
+from ondevice_moe.training import block_nll, nll_standard_error, perplexity_of, predict
 
 
 def evaluate_device(job: Job, device: int, model: nn.Module) -> dict[str, float]:
@@ -38,6 +38,10 @@ def _language_model(job: Job, device: int, model: nn.Module) -> dict[str, float]
         own = union_nll[offsets[user] : offsets[user + 1]]
         metrics[f"user_{user}/test_ppl_in"] = perplexity_of(own, context_length)
         metrics[f"user_{user}/test_ppl_out"] = perplexity_of(union_nll, context_length)
+        for key, blocks in (("test_nll_se_in", own), ("test_nll_se_out", union_nll)):
+            error = nll_standard_error(blocks, context_length)
+            if error is not None:
+                metrics[f"user_{user}/{key}"] = error
     return metrics
 
 
