@@ -121,10 +121,13 @@ def sites_of(model: nn.Module) -> tuple[Sites, nn.ModuleList]:
 
 @dataclass(frozen=True)
 class ExpertSpec:
-    """One routed expert: its kind and its role."""
+    """One routed expert: its kind, its role and, for a LoRA expert, its own rank
+    (default: the layout's ``sizes.lora_rank``; HetLoRA and FlexLoRA give devices
+    different ranks)."""
 
     kind: ExpertKind
     role: RoleName
+    rank: int | None = None
 
 
 @dataclass(frozen=True)
@@ -291,12 +294,12 @@ class _ExpertBuilder:
         """The router of block ``index`` starts the same on every device (shared routers need it)."""
         return expert_generator(self.seed, index, "router")
 
-    def lora(self, block: nn.Module, path: str, index: int, name: str) -> LoRA:
+    def lora(self, block: nn.Module, path: str, index: int, name: str, rank: int | None = None) -> LoRA:
         sizes = self.layout.sizes
         layer = block.get_submodule(path)
         base = layer.base if isinstance(layer, LoRAAdaptedLinear) else layer
-        return LoRA(*linear_features(base), sizes.lora_rank, sizes.lora_alpha, self._generator(index, path, name),
-                    rank_stabilised=sizes.rank_stabilised)
+        return LoRA(*linear_features(base), rank or sizes.lora_rank, sizes.lora_alpha,
+                    self._generator(index, path, name), rank_stabilised=sizes.rank_stabilised)
 
     def adapter(self, index: int, where: str, name: str) -> Adapter:
         return Adapter(self.config.hidden_size, self.layout.sizes.adapter_rank, self._generator(index, where, name))
@@ -346,7 +349,7 @@ def _attach_mlp_mixture(block: nn.Module, sites: Sites, layout: Layout, builder:
             experts[name] = builder.adapter(index, sites.mlp, name)
         else:
             experts[name] = nn.ModuleDict({
-                linear: builder.lora(mlp, linear, index, name) for linear in sites.mlp_linears})
+                linear: builder.lora(mlp, linear, index, name, spec.rank) for linear in sites.mlp_linears})
     router = _make_router(layout, hidden_size, builder.router_generator(index))
     _register_expert_params(router, experts)
     setattr(block, sites.mlp, MixtureMLP(mlp, experts, router, sites.mixed_forward))
@@ -364,7 +367,7 @@ def _attach_block_mixture(block: nn.Module, sites: Sites, layout: Layout, builde
         modules: list[nn.Module] = []
         if spec.kind == "lora":
             for path in sites.routed_lora:
-                lora = builder.lora(block, path, index, name)
+                lora = builder.lora(block, path, index, name, spec.rank)
                 _add_residual(block, path, name, lora, gate, LoRAAdaptedLinear)
                 modules.append(lora)
         elif spec.kind == "adapter":

@@ -142,3 +142,12 @@ def test_corrupt_checkpoint_is_named(tiny_run, tmp_path):
     outcome = CliRunner().invoke(app, ["eval", str(copy), "--suite", "lm"])
     assert outcome.exit_code == 2
     assert "device_1.safetensors is unreadable" in " ".join(outcome.output.split())
+
+
+def test_heterogeneous_rank_baselines_run_through_flower(tmp_path):
+    recipe = load_recipe(TINY, ["methods=[pretrained, {name: hetlora, ranks: [4, 8, 8]}, "
+                                "{name: flexlora, ranks: [4, 8, 8]}]"])
+    methods = runner.run_recipe(recipe, tmp_path / "ranks").summary["methods"]
+    for name in ("hetlora", "flexlora"):
+        assert methods[name]["mean_in"] < methods["pretrained"]["mean_in"]
+        assert methods[name]["upload_bytes_per_round"] > 0

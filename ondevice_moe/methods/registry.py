@@ -20,6 +20,7 @@ from ondevice_moe.methods.comigs import baselines as comigs_baselines
 from ondevice_moe.methods.comigs.config import (
     CoMiGSOptions,
     FedAvgMoEOptions,
+    HeterogeneousRankOptions,
     LoRABaselineOptions,
     MoEBaselineOptions,
 )
@@ -57,6 +58,8 @@ METHODS: dict[str, MethodSpec] = {
     "ffa-lora": MethodSpec(LoRABaselineOptions, comigs_baselines.ffa_lora, _LM, "experts"),
     "fedsa-lora": MethodSpec(LoRABaselineOptions, comigs_baselines.fedsa_lora, _LM, "experts"),
     "centralized": MethodSpec(LoRABaselineOptions, comigs_baselines.centralized, _LM, "experts"),
+    "hetlora": MethodSpec(HeterogeneousRankOptions, comigs_baselines.hetlora, _LM, "experts"),
+    "flexlora": MethodSpec(HeterogeneousRankOptions, comigs_baselines.flexlora, _LM, "experts"),
     "comigs": MethodSpec(CoMiGSOptions, comigs, _LM, "experts"),
     "hermes": MethodSpec(HermesOptions, hermes, _TEXT, "hermes"),
     "fed-ft": MethodSpec(HermesBaselineOptions, hermes_baselines.fed_ft, _ANY, "hermes"),

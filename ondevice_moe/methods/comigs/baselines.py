@@ -9,10 +9,17 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from ondevice_moe.errors import UserError
+from ondevice_moe.federation.low_rank_rules import FlexLoRARule, HetLoRARule
 from ondevice_moe.federation.rules import ServerRule
-from ondevice_moe.layout import lora_experts
+from ondevice_moe.layout import ExpertSpec, lora_experts
 from ondevice_moe.methods.base import Method, MethodContext, Procedure, Sharing, same_for_all
-from ondevice_moe.methods.comigs.config import FedAvgMoEOptions, LoRASizes, MoEBaselineOptions
+from ondevice_moe.methods.comigs.config import (
+    FedAvgMoEOptions,
+    HeterogeneousRankOptions,
+    LoRASizes,
+    MoEBaselineOptions,
+)
 from ondevice_moe.methods.comigs.method import lora_layout
 
 PRIVATE_PAIR = lora_experts(("private", "private"))
@@ -75,3 +82,29 @@ def centralized(options: LoRASizes, context: MethodContext) -> Method:
     """Upper bound: one model trained on the pooled training data of all users."""
     method = fedavg(options, replace(context, num_users=1))
     return replace(method, name="centralized", centralized=True)
+
+
+def _ranked_layouts(options: HeterogeneousRankOptions, context: MethodContext, name: str) -> tuple:
+    """One shared MLP LoRA per device at that device's rank, beside the shared attention LoRA."""
+    ranks = options.ranks
+    if not ranks or len(ranks) != context.num_users or min(ranks) < 1:
+        raise UserError(f"{name} needs `ranks`: one MLP LoRA rank >= 1 per user ({context.num_users} users), "
+                        f"got {ranks}", f"set e.g. `ranks: [32, 16, 16, 16]` in the {name} entry")
+    return tuple(lora_layout(options, (ExpertSpec("lora", "shared", rank=rank),), "uniform", "shared")
+                 for rank in ranks)
+
+
+def hetlora(options: HeterogeneousRankOptions, context: MethodContext) -> Method:
+    """HetLoRA (Cho et al., 2024; CoMiGS Table 1): heterogeneous ranks, zero-padded
+    sparsity-weighted aggregation, truncation to each device's rank."""
+    layouts = _ranked_layouts(options, context, "hetlora")
+    return Method("hetlora", layouts, server_rule=HetLoRARule(context.weighting, ranks=tuple(options.ranks)))
+
+
+def flexlora(options: HeterogeneousRankOptions, context: MethodContext) -> Method:
+    """FlexLoRA (Bai et al., 2024; CoMiGS Table 1): the full updates averaged by example
+    counts, redistributed to each device's rank by truncated SVD."""
+    layouts = _ranked_layouts(options, context, "flexlora")
+    rule = FlexLoRARule(context.weighting, ranks=tuple(options.ranks), lora_alpha=options.lora_alpha,
+                        rank_stabilised=layouts[0].sizes.rank_stabilised)
+    return Method("flexlora", layouts, server_rule=rule)

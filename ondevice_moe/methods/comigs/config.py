@@ -45,6 +45,13 @@ class FedAvgMoEOptions(MoEBaselineOptions):
     share_router: bool = False
 
 
+class HeterogeneousRankOptions(LoRABaselineOptions):
+    """``ranks``: each user's MLP LoRA rank (CoMiGS Table 1 matches them to a 1GXs
+    run: ``full`` = 8 × the user's expert count, ``active`` = 16 for top-2)."""
+
+    ranks: list[int] | None = None
+
+
 class CoMiGSOptions(LoRABaselineOptions):
     """``variant``: ``1G1S`` (one generalist, one specialist), ``2G`` / ``2S``
     (Table 5 ablations), ``1GXs`` (one generalist and ``experts[i] − 1``

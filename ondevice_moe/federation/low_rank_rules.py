@@ -1,0 +1,143 @@
+"""Server rules for devices whose LoRA experts have different ranks (CoMiGS Table 1 baselines).
+
+Each device ``k`` holds its MLP LoRA expert at rank ``r_k`` (``ranks[k]``); the
+other shared tensors (the attention LoRA, at one rank for all) are averaged as
+usual. The heterogeneous pairs are the ``lora_A`` (``r × in``) and ``lora_B``
+(``out × r``) matrices under ``.experts.``.
+
+* :class:`HetLoRARule` — HetLoRA (Cho et al., 2024): zero-pad every device's
+  ``A`` and ``B`` to the largest rank, sum them with *sparsity weights* (each
+  matrix weighted by its Frobenius norm over the sum of the norms, as in the
+  CoMiGS authors' ``HetLoraAggregationStrategy``), and send device ``k`` the
+  first ``r_k`` ranks. The authors' rank self-pruning (``--is_pruning``) is not
+  implemented.
+* :class:`FlexLoRARule` — FlexLoRA (Bai et al., 2024): average the full updates
+  ``ΔW_k = γ_k B_k A_k`` weighted by example counts, take the SVD
+  ``ΔW = U Σ Vᵀ``, and send device ``k`` ``A_k = V_{r_k}ᵀ`` and
+  ``B_k = U_{r_k} Σ_{r_k} / γ_k`` (Σ on ``B``, as the authors' ``Server._svd``),
+  so that ``γ_k B_k A_k`` is the best rank-``r_k`` approximation of ``ΔW``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ondevice_moe.federation.aggregation import Update, average
+from ondevice_moe.federation.rules import GLOBAL, ServerRule, Slots
+
+A, B = "lora_A", "lora_B"
+
+
+def has_device_rank(name: str) -> bool:
+    """Whether a shared tensor is a matrix of a routed LoRA expert, whose rank is the device's."""
+    parts = name.split(".")
+    return "experts" in parts and parts[-1] in (A, B)
+
+
+def _split(update: Update) -> tuple[Update, dict[str, torch.Tensor]]:
+    """The update without its rank-varying matrices, and those matrices."""
+    varying = {name: t for name, t in update.tensors.items() if has_device_rank(name)}
+    rest = {name: t for name, t in update.tensors.items() if name not in varying}
+    return Update(update.device, rest, update.num_examples, update.usage), varying
+
+
+def _truncate(name: str, tensor: torch.Tensor, rank: int) -> torch.Tensor:
+    """The first ``rank`` ranks: rows of ``A``, columns of ``B``."""
+    return tensor[:rank] if name.endswith(A) else tensor[:, :rank]
+
+
+@dataclass(frozen=True)
+class _HeterogeneousRankRule(ServerRule):
+    """What both rules share: one rank per device, and plain averaging of the rest."""
+
+    ranks: tuple[int, ...] = ()
+
+    def _average_rest(self, slots: Slots, updates: list[Update]) -> tuple[dict[str, torch.Tensor], list[dict]]:
+        rests, varying = zip(*(_split(update) for update in updates), strict=True)
+        rest = [update for update in rests if update.tensors]
+        averaged = average(rest, self.weights()) if rest else {}
+        return {**slots[GLOBAL], **averaged}, list(varying)
+
+
+@dataclass(frozen=True)
+class HetLoRARule(_HeterogeneousRankRule):
+    """HetLoRA: zero-padded, sparsity-weighted aggregation; truncation to each device's rank."""
+
+    def message_for(self, slots: Slots, device: int) -> dict[str, torch.Tensor]:
+        rank = self.ranks[device]
+        return {name: _truncate(name, t, rank) if has_device_rank(name) else t for name, t in slots[GLOBAL].items()}
+
+    def reference(self, slots: Slots, device: int) -> dict[str, torch.Tensor]:
+        return self.message_for(slots, device)
+
+    def aggregate(self, slots: Slots, updates: list[Update]) -> Slots:
+        if not any(update.tensors for update in updates):
+            return slots
+        state, varying = self._average_rest(slots, updates)
+        for name in sorted({name for tensors in varying for name in tensors}):
+            held = [tensors[name].float() for tensors in varying if name in tensors]
+            shape = tuple(max(t.shape[d] for t in held) for d in range(2))
+            norms = [float(torch.linalg.matrix_norm(t)) for t in held]
+            weights = [n / sum(norms) for n in norms] if sum(norms) > 0 else [1.0 / len(held)] * len(held)
+            summed = torch.zeros(shape)
+            for tensor, weight in zip(held, weights, strict=True):
+                summed[: tensor.shape[0], : tensor.shape[1]] += weight * tensor
+            state[name] = summed
+        return {**slots, GLOBAL: state}
+
+
+@dataclass(frozen=True)
+class FlexLoRARule(_HeterogeneousRankRule):
+    """FlexLoRA: average the full updates ``γ_k B_k A_k``, redistribute by truncated SVD.
+
+    The slot keeps, per module, ``U Σ`` (``<module>.svd_us``) and ``Vᵀ``
+    (``<module>.svd_vt``) at the largest rank, so that each message is a slice.
+    ``lora_alpha`` and ``rank_stabilised`` give each device's scaling ``γ_k``.
+    """
+
+    lora_alpha: float = 16.0
+    rank_stabilised: bool = True
+
+    def scaling(self, rank: int) -> float:
+        return self.lora_alpha / (math.sqrt(rank) if self.rank_stabilised else rank)
+
+    def message_for(self, slots: Slots, device: int) -> dict[str, torch.Tensor]:
+        rank = self.ranks[device]
+        message = {}
+        for name, tensor in slots[GLOBAL].items():
+            if name.endswith(".svd_us"):
+                module = name.removesuffix(".svd_us")
+                message[f"{module}.{B}"] = tensor[:, :rank] / self.scaling(rank)
+            elif name.endswith(".svd_vt"):
+                message[f"{name.removesuffix('.svd_vt')}.{A}"] = tensor[:rank]
+            else:
+                message[name] = tensor
+        return message
+
+    def reference(self, slots: Slots, device: int) -> dict[str, torch.Tensor]:
+        return self.message_for(slots, device)
+
+    def aggregate(self, slots: Slots, updates: list[Update]) -> Slots:
+        if not any(update.tensors for update in updates):
+            return slots
+        state, varying = self._average_rest(slots, updates)
+        weights = [float(update.num_examples) for update in updates]
+        modules = sorted({name.removesuffix(f".{A}") for tensors in varying for name in tensors if name.endswith(A)})
+        for module in modules:
+            delta, total = None, 0.0
+            for tensors, weight in zip(varying, weights, strict=True):
+                if f"{module}.{A}" not in tensors:
+                    continue
+                down, up = tensors[f"{module}.{A}"].float(), tensors[f"{module}.{B}"].float()
+                term = weight * self.scaling(down.shape[0]) * (up @ down)
+                delta = term if delta is None else delta + term
+                total += weight
+            u, s, vt = torch.linalg.svd(delta / total, full_matrices=False)
+            top = max(self.ranks)
+            state[f"{module}.svd_us"] = u[:, :top] * s[:top]
+            state[f"{module}.svd_vt"] = vt[:top]
+        return {**slots, GLOBAL: state}
+
