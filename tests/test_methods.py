@@ -23,6 +23,12 @@ def test_comigs_shares_generalists_and_attention_only(tiny_model):
     assert not any("private" in n or "router" in n for n in names)
 
 
+def test_pfedmoe_shares_like_1g1s_but_trains_its_router_jointly(tiny_model):
+    assert _shared_names(tiny_model, "pfedmoe") == _shared_names(tiny_model, "comigs", variant="1G1S")
+    assert method_for("pfedmoe", 2).procedure.routers == "joint"
+    assert method_for("comigs", 2).procedure.routers == "bilevel"
+
+
 def test_local_shares_nothing(tiny_model):
     assert _shared_names(tiny_model, "local") == set()
 

@@ -55,6 +55,7 @@ METHODS: dict[str, MethodSpec] = {
     "fedavg": MethodSpec(LoRABaselineOptions, comigs_baselines.fedavg, _LM, "experts"),
     "local-moe": MethodSpec(MoEBaselineOptions, comigs_baselines.local_moe, _LM, "experts"),
     "fedavg-moe": MethodSpec(FedAvgMoEOptions, comigs_baselines.fedavg_moe, _LM, "experts"),
+    "pfedmoe": MethodSpec(LoRABaselineOptions, comigs_baselines.pfedmoe, _LM, "experts"),
     "ffa-lora": MethodSpec(LoRABaselineOptions, comigs_baselines.ffa_lora, _LM, "experts"),
     "fedsa-lora": MethodSpec(LoRABaselineOptions, comigs_baselines.fedsa_lora, _LM, "experts"),
     "centralized": MethodSpec(LoRABaselineOptions, comigs_baselines.centralized, _LM, "experts"),

@@ -67,6 +67,16 @@ def fedavg_moe(options: FedAvgMoEOptions, context: MethodContext) -> Method:
                   server_rule=ServerRule(context.weighting), sharing=Sharing(share_router=options.share_router))
 
 
+def pfedmoe(options: LoRASizes, context: MethodContext) -> Method:
+    """pFedMoE (Yi et al., 2024) as the CoMiGS authors run it (``pFedMoE.sh``, CoMiGS
+    Table 2): CoMiGS-1G1S's layout (a shared and a private LoRA expert under a local
+    router, shared attention LoRA), with the router trained jointly with the experts on
+    the training loss instead of bi-level on a validation split."""
+    layout = lora_layout(options, lora_experts(("shared", "private")), "token-topk", "shared")
+    return Method("pfedmoe", same_for_all(context.num_users, layout), procedure=Procedure(routers="joint"),
+                  server_rule=ServerRule(context.weighting))
+
+
 def ffa_lora(options: LoRASizes, context: MethodContext) -> Method:
     """FFA-LoRA (Sun et al., 2024): A frozen at its shared random init, B averaged."""
     return replace(fedavg(options, context), name="ffa-lora", sharing=Sharing(frozen_matrices=frozenset({"lora_A"})))
