@@ -51,15 +51,26 @@ def _truncate(name: str, tensor: torch.Tensor, rank: int) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class _HeterogeneousRankRule(ServerRule):
-    """What both rules share: one rank per device, and plain averaging of the rest."""
+    """What both rules share: one rank per device, the check against what each device is
+    sent, and plain averaging of everything but the rank-varying matrices."""
 
     ranks: tuple[int, ...] = ()
 
-    def _average_rest(self, slots: Slots, updates: list[Update]) -> tuple[dict[str, torch.Tensor], list[dict]]:
+    def reference(self, slots: Slots, device: int) -> dict[str, torch.Tensor]:
+        return self.message_for(slots, device)
+
+    def aggregate(self, slots: Slots, updates: list[Update]) -> Slots:
+        if not any(update.tensors for update in updates):
+            return slots
         rests, varying = zip(*(_split(update) for update in updates), strict=True)
         rest = [update for update in rests if update.tensors]
-        averaged = average(rest, self.weights()) if rest else {}
-        return {**slots[GLOBAL], **averaged}, list(varying)
+        state = {**slots[GLOBAL], **(average(rest, self.weights()) if rest else {})}
+        state.update(self._combine(list(varying), updates))
+        return {**slots, GLOBAL: state}
+
+    def _combine(self, varying: list[dict[str, torch.Tensor]], updates: list[Update]) -> dict[str, torch.Tensor]:
+        """The server's tensors for the rank-varying matrices (``varying[i]`` from ``updates[i]``)."""
+        raise NotImplementedError
 
 
 @dataclass(frozen=True)
@@ -70,13 +81,8 @@ class HetLoRARule(_HeterogeneousRankRule):
         rank = self.ranks[device]
         return {name: _truncate(name, t, rank) if has_device_rank(name) else t for name, t in slots[GLOBAL].items()}
 
-    def reference(self, slots: Slots, device: int) -> dict[str, torch.Tensor]:
-        return self.message_for(slots, device)
-
-    def aggregate(self, slots: Slots, updates: list[Update]) -> Slots:
-        if not any(update.tensors for update in updates):
-            return slots
-        state, varying = self._average_rest(slots, updates)
+    def _combine(self, varying: list[dict[str, torch.Tensor]], updates: list[Update]) -> dict[str, torch.Tensor]:
+        state = {}
         for name in sorted({name for tensors in varying for name in tensors}):
             held = [tensors[name].float() for tensors in varying if name in tensors]
             shape = tuple(max(t.shape[d] for t in held) for d in range(2))
@@ -86,7 +92,7 @@ class HetLoRARule(_HeterogeneousRankRule):
             for tensor, weight in zip(held, weights, strict=True):
                 summed[: tensor.shape[0], : tensor.shape[1]] += weight * tensor
             state[name] = summed
-        return {**slots, GLOBAL: state}
+        return state
 
 
 @dataclass(frozen=True)
@@ -117,13 +123,8 @@ class FlexLoRARule(_HeterogeneousRankRule):
                 message[name] = tensor
         return message
 
-    def reference(self, slots: Slots, device: int) -> dict[str, torch.Tensor]:
-        return self.message_for(slots, device)
-
-    def aggregate(self, slots: Slots, updates: list[Update]) -> Slots:
-        if not any(update.tensors for update in updates):
-            return slots
-        state, varying = self._average_rest(slots, updates)
+    def _combine(self, varying: list[dict[str, torch.Tensor]], updates: list[Update]) -> dict[str, torch.Tensor]:
+        state = {}
         weights = [float(update.num_examples) for update in updates]
         modules = sorted({name.removesuffix(f".{A}") for tensors in varying for name in tensors if name.endswith(A)})
         for module in modules:
@@ -139,5 +140,5 @@ class FlexLoRARule(_HeterogeneousRankRule):
             top = max(self.ranks)
             state[f"{module}.svd_us"] = u[:, :top] * s[:top]
             state[f"{module}.svd_vt"] = vt[:top]
-        return {**slots, GLOBAL: state}
+        return state
 
