@@ -1,7 +1,8 @@
 """The Flower ClientApp: one device's side of every method.
 
 ``train``: rebuild the device's model from the server's shared tensors and the
-private state in ``context.state``, run the method's local procedure, keep the
+private state in ``context.state`` (for PCL, first average the peers' models the
+server relayed), run the method's local procedure, keep the
 private part, and reply with the shared part only (plus, for Hermes, each
 uploaded expert's usage count). ``evaluate``: for language modelling, test
 perplexity in distribution (the user's own test split) and out of
@@ -41,7 +42,10 @@ def identify(msg: Message, context: Context) -> Message:
 def train(msg: Message, context: Context) -> Message:
     job = job_from_context(context)
     device = _device_index(context)
-    trainer = dev.restore_trainer(job, device, msg.content.array_records.get("arrays"), context.state)
+    arrays = msg.content.array_records.get("arrays")
+    peer_mixing = job.method.procedure.peer_mixing
+    trainer = dev.restore_trainer(job, device, None if peer_mixing else arrays, context.state)
+    trust = dev.mix_relayed_peers(job, device, trainer, arrays) if peer_mixing else {}
     seed = job.recipe.seed * 1000 + device
     # Dropout draws from the global generator: seed it per device and round so a
     # run gives the same numbers whichever worker process serves the device.
@@ -49,7 +53,7 @@ def train(msg: Message, context: Context) -> Message:
     dev.start_round(trainer.model)
     metrics, examples = dev.run_local_procedure(job, device, trainer, seed)
     dev.save_private_state(trainer, context.state)
-    metrics.update({"device": device, "num-examples": examples})
+    metrics.update({**trust, "device": device, "num-examples": examples})
     tensors, usage = dev.upload(job, trainer)
     content = RecordDict({"arrays": ArrayRecord(tensors), "metrics": MetricRecord(metrics)})
     if usage is not None:

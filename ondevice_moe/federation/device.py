@@ -19,6 +19,7 @@ from ondevice_moe.data.small import SmallFederatedTask, build_small_task
 from ondevice_moe.data.splits import SourceSpec, UserData, build_user_data
 from ondevice_moe.errors import UserError
 from ondevice_moe.federation.job import Job
+from ondevice_moe.federation.peers import mix_peers, split_peers
 from ondevice_moe.layout import attach_layout, hermes_routers
 from ondevice_moe.methods import Method, Role
 from ondevice_moe.models import LoadedModel, load_base_model
@@ -150,9 +151,23 @@ def restore_trainer(job: Job, device: int, shared: ArrayRecord | None, state: Re
     return trainer
 
 
+def mix_relayed_peers(job: Job, device: int, trainer: DeviceTrainer, arrays: ArrayRecord | None) -> dict[str, float]:
+    """PCL: replace the device's model by its peers' models weighted by trust on its validation
+    split (:func:`~ondevice_moe.federation.peers.mix_peers`); ``trust_<j>`` per peer, or
+    nothing on a round without relayed models."""
+    if arrays is None or len(arrays) == 0:
+        return {}
+    peers = split_peers(arrays.to_torch_state_dict())
+    weights = mix_peers(trainer.model, peers, device_split(job, device, "valid"), job.recipe.data.eval_batch_size)
+    return {f"trust_{peer}": weight for peer, weight in weights.items()}
+
+
 def save_private_state(trainer: DeviceTrainer, state: RecordDict) -> None:
-    """Keep private tensors and optimiser state on the device (``context.state``)."""
-    private = {n: t for n, t in trainable_state(trainer.model).items() if trainer.method.role_of(n) is Role.PRIVATE}
+    """Keep private tensors (all trained tensors with ``sharing.devices_keep_models``) and
+    optimiser state on the device (``context.state``)."""
+    keep_all = trainer.method.sharing.devices_keep_models
+    private = {n: t for n, t in trainable_state(trainer.model).items()
+               if keep_all or trainer.method.role_of(n) is Role.PRIVATE}
     state[PRIVATE_KEY] = ArrayRecord({n: t.clone() for n, t in private.items()})
     buffer = io.BytesIO()
     torch.save(trainer.optimizer_state(), buffer)

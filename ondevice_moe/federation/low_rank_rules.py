@@ -77,7 +77,7 @@ class _HeterogeneousRankRule(ServerRule):
 class HetLoRARule(_HeterogeneousRankRule):
     """HetLoRA: zero-padded, sparsity-weighted aggregation; truncation to each device's rank."""
 
-    def message_for(self, slots: Slots, device: int) -> dict[str, torch.Tensor]:
+    def message_for(self, slots: Slots, device: int, train_round: int | None = None) -> dict[str, torch.Tensor]:
         rank = self.ranks[device]
         return {name: _truncate(name, t, rank) if has_device_rank(name) else t for name, t in slots[GLOBAL].items()}
 
@@ -110,7 +110,7 @@ class FlexLoRARule(_HeterogeneousRankRule):
     def scaling(self, rank: int) -> float:
         return self.lora_alpha / (math.sqrt(rank) if self.rank_stabilised else rank)
 
-    def message_for(self, slots: Slots, device: int) -> dict[str, torch.Tensor]:
+    def message_for(self, slots: Slots, device: int, train_round: int | None = None) -> dict[str, torch.Tensor]:
         rank = self.ranks[device]
         message = {}
         for name, tensor in slots[GLOBAL].items():

@@ -1,7 +1,8 @@
 """Server rules: what the server keeps, what each device is sent, how uploads combine.
 
 The server's state is a set of named *slots*, each a dict of tensors: one
-``global`` slot for FedAvg-style methods; FedSoft will keep ``cluster_0 …
+``global`` slot for FedAvg-style methods; one per device for PCL
+(:mod:`ondevice_moe.federation.peers`); FedSoft will keep ``cluster_0 …
 cluster_{S-1}``. A rule decides, per device, which tensors it is sent
 (:meth:`ServerRule.message_for`) and folds a round's sound updates into the
 slots (:meth:`ServerRule.aggregate`). Checking updates, sampling devices,
@@ -42,8 +43,9 @@ class ServerRule:
     def initial_slots(self) -> Slots:
         return {GLOBAL: {}}
 
-    def message_for(self, slots: Slots, device: int) -> dict[str, torch.Tensor]:
-        """The tensors device ``device`` is sent: here, the whole global slot."""
+    def message_for(self, slots: Slots, device: int, train_round: int | None = None) -> dict[str, torch.Tensor]:
+        """The tensors device ``device`` is sent at the start of training round ``train_round``
+        (``None``: for an evaluation): here, the whole global slot."""
         return slots[GLOBAL]
 
     def reference(self, slots: Slots, device: int) -> dict[str, torch.Tensor]:

@@ -8,7 +8,7 @@ decides what is sent and what is kept:
 * **State** is the server rule's named slots of tensors (``job.server_rule``,
   :mod:`ondevice_moe.federation.rules`), carried between Flower's calls as one
   ``ArrayRecord`` with ``<slot>/<tensor>`` names. Each device is sent
-  ``rule.message_for(slots, device)``: shared tensors only (CoMiGS Alg. 1).
+  ``rule.message_for(slots, device, train_round)``: shared tensors only (CoMiGS Alg. 1).
 * **Sampling**: ``clients_per_round`` devices, or ``fraction_train`` of them,
   drawn per round from the recipe seed (all devices by default).
 * **Failures**: a device that raises, does not reply in time, or sends an
@@ -226,7 +226,8 @@ class SlotStrategy(Strategy):
     # -- helpers --------------------------------------------------------------
 
     def _message(self, device: int, kind: str, server_round: int, final: bool) -> Message:
-        arrays = ArrayRecord(self.rule.message_for(self.slots, device))
+        train_round = server_round if kind == MessageType.TRAIN else None
+        arrays = ArrayRecord(self.rule.message_for(self.slots, device, train_round))
         config = ConfigRecord({"server-round": server_round, "final": final})
         return Message(RecordDict({"arrays": arrays, "config": config}), dst_node_id=self.nodes[device],
                        message_type=kind, group_id=str(server_round))

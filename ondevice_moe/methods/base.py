@@ -62,11 +62,14 @@ class Procedure:
     Local-MoE) or ``bilevel`` (CoMiGS Alg. 1: a router phase of
     ``router_steps`` steps on the ``router_data`` split every τ iterations,
     experts held fixed). ``full_finetune`` trains every weight of the base (FedFT).
+    ``peer_mixing``: a round may start by averaging peers' models with trust
+    weights from the validation split (PCL, :mod:`ondevice_moe.federation.peers`).
     """
 
     routers: Literal["none", "joint", "bilevel"] = "none"
     router_data: Literal["valid", "train"] = "valid"
     full_finetune: bool = False
+    peer_mixing: bool = False
 
 
 @dataclass(frozen=True)
@@ -77,13 +80,15 @@ class Sharing:
     ``lora_A``); ``private_matrices`` stay home even inside shared experts
     (FedSA-LoRA keeps ``lora_B``); ``share_router`` sends routers too
     (FedAvg-MoE); ``selected_only``: an expert no token chose this round stays
-    home (Hermes §4.3).
+    home (Hermes §4.3); ``devices_keep_models``: a device also keeps its shared
+    tensors between rounds, because the server sends back no average (PCL).
     """
 
     frozen_matrices: frozenset[str] = frozenset()
     private_matrices: frozenset[str] = frozenset()
     share_router: bool = False
     selected_only: bool = False
+    devices_keep_models: bool = False
 
 
 @dataclass(frozen=True)

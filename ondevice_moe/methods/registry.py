@@ -23,6 +23,7 @@ from ondevice_moe.methods.comigs.config import (
     HeterogeneousRankOptions,
     LoRABaselineOptions,
     MoEBaselineOptions,
+    PCLOptions,
 )
 from ondevice_moe.methods.comigs.method import comigs
 from ondevice_moe.methods.hermes import baselines as hermes_baselines
@@ -56,6 +57,7 @@ METHODS: dict[str, MethodSpec] = {
     "local-moe": MethodSpec(MoEBaselineOptions, comigs_baselines.local_moe, _LM, "experts"),
     "fedavg-moe": MethodSpec(FedAvgMoEOptions, comigs_baselines.fedavg_moe, _LM, "experts"),
     "pfedmoe": MethodSpec(LoRABaselineOptions, comigs_baselines.pfedmoe, _LM, "experts"),
+    "pcl": MethodSpec(PCLOptions, comigs_baselines.pcl, _LM, "experts"),
     "ffa-lora": MethodSpec(LoRABaselineOptions, comigs_baselines.ffa_lora, _LM, "experts"),
     "fedsa-lora": MethodSpec(LoRABaselineOptions, comigs_baselines.fedsa_lora, _LM, "experts"),
     "centralized": MethodSpec(LoRABaselineOptions, comigs_baselines.centralized, _LM, "experts"),

@@ -11,6 +11,7 @@ from dataclasses import replace
 
 from ondevice_moe.errors import UserError
 from ondevice_moe.federation.low_rank_rules import FlexLoRARule, HetLoRARule
+from ondevice_moe.federation.peers import PeerRelayRule
 from ondevice_moe.federation.rules import ServerRule
 from ondevice_moe.layout import ExpertSpec, lora_experts
 from ondevice_moe.methods.base import Method, MethodContext, Procedure, Sharing, same_for_all
@@ -19,6 +20,7 @@ from ondevice_moe.methods.comigs.config import (
     HeterogeneousRankOptions,
     LoRASizes,
     MoEBaselineOptions,
+    PCLOptions,
 )
 from ondevice_moe.methods.comigs.method import lora_layout
 
@@ -75,6 +77,16 @@ def pfedmoe(options: LoRASizes, context: MethodContext) -> Method:
     layout = lora_layout(options, lora_experts(("shared", "private")), "token-topk", "shared")
     return Method("pfedmoe", same_for_all(context.num_users, layout), procedure=Procedure(routers="joint"),
                   server_rule=ServerRule(context.weighting))
+
+
+def pcl(options: PCLOptions, context: MethodContext) -> Method:
+    """PCL (Wagner et al., 2024; CoMiGS Table 2): each user's two LoRA modules (as Local),
+    replaced now and then by the average of all users' modules weighted by trust,
+    softmax(−perplexity) on the user's validation split (:mod:`ondevice_moe.federation.peers`)."""
+    layout = lora_layout(options, SHARED_PAIR, "uniform", "shared")
+    return Method("pcl", same_for_all(context.num_users, layout), procedure=Procedure(peer_mixing=True),
+                  server_rule=PeerRelayRule(first_mix=options.first_mix, every=options.every),
+                  sharing=Sharing(devices_keep_models=True))
 
 
 def ffa_lora(options: LoRASizes, context: MethodContext) -> Method:

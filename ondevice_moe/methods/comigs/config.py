@@ -66,3 +66,12 @@ class CoMiGSOptions(LoRABaselineOptions):
     generalist: Literal["lora", "adapter"] = "lora"
     specialist: Literal["lora", "adapter"] = "lora"
     adapter_rank: int = Field(16, ge=1)
+
+
+class PCLOptions(LoRABaselineOptions):
+    """When PCL devices mix their peers' models: at the start of rounds ``first_mix``,
+    ``first_mix + every``, … (the authors' code: after 0-indexed epochs 4, 6, 8, …,
+    i.e. ``first_mix: 6, every: 2``; runs of a few rounds set e.g. ``first_mix: 2, every: 1``)."""
+
+    first_mix: int = Field(6, ge=2)
+    every: int = Field(2, ge=1)
