@@ -44,18 +44,18 @@ from ondevice_moe.experts import LoRA, LoRAAdaptedLinear, linear_features
 from ondevice_moe.experts.adapter import Adapter, AdapterAfter
 from ondevice_moe.experts.prefix import Prefix, register_prefix_attention
 from ondevice_moe.mixture import MixedForward, MixtureMLP, gpt2_mixed_forward, llama_mixed_forward
-from ondevice_moe.routing import TokenTopKRouter, UniformRouter
+from ondevice_moe.routing import ClientRouter, TokenTopKRouter, UniformRouter
 from ondevice_moe.routing.block import BlockRouter, route_block_input
 from ondevice_moe.routing.hermes import HermesRouter
 from ondevice_moe.routing.routers import BalanceForm
 
 ExpertKind = Literal["lora", "adapter", "prefix"]
 RoleName = Literal["shared", "private"]
-RouterKind = Literal["none", "uniform", "token-topk", "hermes", "sigmoid"]
+RouterKind = Literal["none", "uniform", "token-topk", "hermes", "sigmoid", "client"]
 Mixing = Literal["mlp", "block"]
 
 EXPERT_KINDS: tuple[str, ...] = ("lora", "adapter", "prefix")
-ROUTER_KINDS: tuple[str, ...] = ("none", "uniform", "token-topk", "hermes", "sigmoid")
+ROUTER_KINDS: tuple[str, ...] = ("none", "uniform", "token-topk", "hermes", "sigmoid", "client")
 
 
 # -- where experts go, per architecture ------------------------------------------
@@ -139,7 +139,8 @@ class RouterSpec:
     softmax, top-k renormalised, with a balance loss (``balance`` form, eq. 6–7);
     ``hermes``: the dual-view router of Hermes eq. (4)–(8) (``use_feature`` /
     ``use_gradient`` switch views off for the ablations); ``sigmoid``:
-    FedUniPELT's dense sigmoid gates.
+    FedUniPELT's dense sigmoid gates; ``client``: one weight per expert for the
+    whole device, set by the method (FDLoRA).
     """
 
     kind: RouterKind = "token-topk"
@@ -273,7 +274,7 @@ def _move_experts(model: nn.Module, device: torch.device) -> None:
     if device.type == "cpu":
         return
     for module in model.modules():
-        if isinstance(module, LoRA | Adapter | Prefix | BlockRouter | HermesRouter | TokenTopKRouter):
+        if isinstance(module, LoRA | Adapter | Prefix | BlockRouter | HermesRouter | TokenTopKRouter | ClientRouter):
             module.to(device)
 
 
@@ -331,6 +332,8 @@ def _make_router(layout: Layout, hidden_size: int, generator: torch.Generator) -
                             else len(names), spec.temperature, spec.gamma, spec.bias_rate, spec.gradient_ema,
                             spec.use_feature, spec.use_gradient, "sigmoid" if spec.kind == "sigmoid" else "hermes",
                             generator)
+    if spec.kind == "client":
+        return ClientRouter(len(names))
     if spec.kind == "token-topk" and len(names) > 1:
         return TokenTopKRouter(hidden_size, len(names), min(spec.top_k, len(names)), spec.balance, generator)
     return UniformRouter(len(names))

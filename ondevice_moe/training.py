@@ -17,6 +17,8 @@ from torch import nn
 
 from ondevice_moe.layout import hermes_routers, routing_sites, total_balance_loss
 from ondevice_moe.methods import Method
+from ondevice_moe.mixture import mixtures
+from ondevice_moe.routing import ClientRouter
 from ondevice_moe.routing.hermes import counting_real_tokens
 
 
@@ -127,18 +129,35 @@ class DeviceTrainer:
         return metrics
 
     def expert_step(self, batch: Batch) -> float:
-        """One step on the experts (CoMiGS eq. 3); routers are held fixed unless trained jointly."""
+        """One step on the experts (CoMiGS eq. 3); routers are held fixed unless trained jointly.
+        With ``experts_in_turn`` (FDLoRA) the step trains one expert per site alone, in turn."""
+        idle = self._experts_out_of_turn() if self.method.procedure.experts_in_turn else set()
         return self._step(batch, self.expert_optimizer, train_router=self.method.procedure.routers == "joint",
-                          train_experts=True, scheduler=self.scheduler)
+                          train_experts=True, scheduler=self.scheduler, idle=idle)
+
+    def _experts_out_of_turn(self) -> set[int]:
+        """Route every token of each client-level site to its expert ``iteration mod n``;
+        the ids of the other experts' parameters, which this step leaves untouched
+        (no gradient, so AdamW neither moves nor decays them)."""
+        idle: set[int] = set()
+        for site in mixtures(self.model):
+            if isinstance(site.router, ClientRouter):
+                turn = self.iteration % len(site.experts)
+                site.router.use_only(turn)
+                for index, expert in enumerate(site.experts.values()):
+                    if index != turn:
+                        idle.update(id(param) for param in expert.parameters())
+        return idle
 
     def router_step(self, batch: Batch) -> float:
         """One step on the routers (CoMiGS eq. 4); experts are held fixed."""
         return self._step(batch, self.router_optimizer, train_router=True, train_experts=False)
 
-    def _step(self, batch: Batch, optimizer, *, train_router: bool, train_experts: bool, scheduler=None) -> float:
+    def _step(self, batch: Batch, optimizer, *, train_router: bool, train_experts: bool, scheduler=None,
+              idle: set[int] | frozenset[int] = frozenset()) -> float:
         batch = to_device(batch, model_device(self.model))
         for name, param in self.trainable:
-            param.requires_grad_(train_router if _is_router(name) else train_experts)
+            param.requires_grad_((train_router if _is_router(name) else train_experts) and id(param) not in idle)
         try:
             self.model.train()
             with counting_real_tokens(self.hermes_routers, batch.get("attention_mask")):

@@ -1,6 +1,7 @@
 """How a device scores its model: test perplexity for language modelling
 (in distribution on its own test split, out of distribution on the union of all
-users' test splits — CoMiGS Table 2), the task metric for classification
+users' test splits — CoMiGS Table 2; FDLoRA first fits its fusion weight on the
+validation split), the task metric for classification
 (Hermes Table 1). Used by the ClientApp every round and by ``ondevice-moe eval``."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from torch import nn
 from ondevice_moe.federation import device as dev
 from ondevice_moe.federation.job import Job
 from ondevice_moe.metrics import LOWER_IS_BETTER, task_score
+from ondevice_moe.routing.fusion import FUSION_BLOCKS, fit_fusion
 from ondevice_moe.training import block_nll, nll_standard_error, perplexity_of, predict
 
 
@@ -29,6 +31,9 @@ def user_values(metrics: dict[str, float], user: int) -> dict[str, float]:
 
 def _language_model(job: Job, device: int, model: nn.Module) -> dict[str, float]:
     batch = job.recipe.data.eval_batch_size
+    fused = None
+    if job.method.procedure.experts_in_turn:  # FDLoRA: weigh global and personal modules first
+        fused = fit_fusion(model, dev.device_split(job, device, "valid")[:FUSION_BLOCKS], batch)
     per_user = [dev.eval_blocks(job, u) for u in range(len(job.recipe.data.users))]
     union_nll = block_nll(model, torch.cat(per_user), batch)
     context_length = per_user[0].shape[1]
@@ -38,6 +43,8 @@ def _language_model(job: Job, device: int, model: nn.Module) -> dict[str, float]
         own = union_nll[offsets[user] : offsets[user + 1]]
         metrics[f"user_{user}/test_ppl_in"] = perplexity_of(own, context_length)
         metrics[f"user_{user}/test_ppl_out"] = perplexity_of(union_nll, context_length)
+        if fused is not None:
+            metrics[f"user_{user}/fusion_global"] = fused
         for key, blocks in (("test_nll_se_in", own), ("test_nll_se_out", union_nll)):
             error = nll_standard_error(blocks, context_length)
             if error is not None:

@@ -64,12 +64,16 @@ class Procedure:
     experts held fixed). ``full_finetune`` trains every weight of the base (FedFT).
     ``peer_mixing``: a round may start by averaging peers' models with trust
     weights from the validation split (PCL, :mod:`ondevice_moe.federation.peers`).
+    ``experts_in_turn``: each expert step trains one expert of each client-level
+    router alone, in turn, and the device's expert weights are fitted on the
+    validation split before it is tested (FDLoRA, :mod:`ondevice_moe.routing.fusion`).
     """
 
     routers: Literal["none", "joint", "bilevel"] = "none"
     router_data: Literal["valid", "train"] = "valid"
     full_finetune: bool = False
     peer_mixing: bool = False
+    experts_in_turn: bool = False
 
 
 @dataclass(frozen=True)

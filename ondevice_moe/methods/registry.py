@@ -58,6 +58,7 @@ METHODS: dict[str, MethodSpec] = {
     "fedavg-moe": MethodSpec(FedAvgMoEOptions, comigs_baselines.fedavg_moe, _LM, "experts"),
     "pfedmoe": MethodSpec(LoRABaselineOptions, comigs_baselines.pfedmoe, _LM, "experts"),
     "pcl": MethodSpec(PCLOptions, comigs_baselines.pcl, _LM, "experts"),
+    "fdlora": MethodSpec(LoRABaselineOptions, comigs_baselines.fdlora, _LM, "experts"),
     "ffa-lora": MethodSpec(LoRABaselineOptions, comigs_baselines.ffa_lora, _LM, "experts"),
     "fedsa-lora": MethodSpec(LoRABaselineOptions, comigs_baselines.fedsa_lora, _LM, "experts"),
     "centralized": MethodSpec(LoRABaselineOptions, comigs_baselines.centralized, _LM, "experts"),

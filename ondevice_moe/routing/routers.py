@@ -4,7 +4,8 @@
 layer on the MLP input, a softmax over the user's experts, the top-k kept and
 renormalised. :class:`UniformRouter` mixes experts with fixed equal weights;
 the baselines without routing (Local, FedAvg, ...) use it so that they hold the
-same two LoRA modules as CoMiGS-1G1S.
+same two LoRA modules as CoMiGS-1G1S. :class:`ClientRouter` mixes them with one
+weight per expert for the whole device (FDLoRA).
 """
 
 from __future__ import annotations
@@ -60,6 +61,28 @@ class UniformRouter(nn.Module):
     def forward(self, hidden: torch.Tensor) -> Routing:
         shape = (*hidden.shape[:-1], self.num_experts)
         weights = hidden.new_full(shape, 1.0 / self.num_experts)
+        return Routing(weights=weights, balance_loss=hidden.new_zeros(()))
+
+
+class ClientRouter(nn.Module):
+    """One weight per expert for every token of the device: client-level mixing.
+
+    The weights are a buffer (the device's own, never sent): FDLoRA trains each
+    expert alone in turn (:meth:`use_only`) and fits the weights on the validation
+    split at the end (:mod:`ondevice_moe.routing.fusion`).
+    """
+
+    def __init__(self, num_experts: int) -> None:
+        super().__init__()
+        self.register_buffer("mix", torch.full((num_experts,), 1.0 / num_experts))
+
+    def use_only(self, index: int) -> None:
+        """Route every token to expert ``index`` alone."""
+        self.mix.zero_()
+        self.mix[index] = 1.0
+
+    def forward(self, hidden: torch.Tensor) -> Routing:
+        weights = self.mix.to(hidden.dtype).expand(*hidden.shape[:-1], self.mix.shape[0])
         return Routing(weights=weights, balance_loss=hidden.new_zeros(()))
 
 

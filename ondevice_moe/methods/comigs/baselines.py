@@ -89,6 +89,17 @@ def pcl(options: PCLOptions, context: MethodContext) -> Method:
                   sharing=Sharing(devices_keep_models=True))
 
 
+def fdlora(options: LoRASizes, context: MethodContext) -> Method:
+    """FDLoRA (Qi et al., 2024; CoMiGS Table 2): a global LoRA module in each MLP, averaged
+    by the server, and a personal one that stays home, each trained alone in turn; before
+    testing, each device weighs the two on its validation split (:mod:`ondevice_moe.routing.fusion`).
+    The attention LoRA is shared, as in CoMiGS-1G1S, so that the two methods differ in how
+    they weigh the same experts: per token by a learned router, or once per device."""
+    layout = lora_layout(options, lora_experts(("shared", "private")), "client", "shared")
+    return Method("fdlora", same_for_all(context.num_users, layout), procedure=Procedure(experts_in_turn=True),
+                  server_rule=ServerRule(context.weighting))
+
+
 def ffa_lora(options: LoRASizes, context: MethodContext) -> Method:
     """FFA-LoRA (Sun et al., 2024): A frozen at its shared random init, B averaged."""
     return replace(fedavg(options, context), name="ffa-lora", sharing=Sharing(frozen_matrices=frozenset({"lora_A"})))

@@ -1,4 +1,6 @@
-"""PCL: the server relays peers' models, each device weighs them by validation perplexity."""
+"""The client-level baselines of CoMiGS Table 2: PCL (the server relays peers' models, each
+device weighs them by validation perplexity) and FDLoRA (global and personal modules trained
+in turn, weighed once per device before testing)."""
 
 import json
 import math
@@ -13,6 +15,7 @@ from ondevice_moe.federation.peers import PeerRelayRule, mix_peers, peer_key, sp
 from ondevice_moe.layout import attach_layout
 from ondevice_moe.methods import method_for
 from ondevice_moe.recipe import load_recipe
+from ondevice_moe.routing.fusion import FUSION_GRID, fit_fusion, set_fusion
 from ondevice_moe.training import DeviceTrainer, TrainingConfig, block_nll, perplexity_of, trainable_state
 
 TINY = Path(__file__).parent / "recipes" / "tiny.yaml"
@@ -80,12 +83,17 @@ def test_a_pcl_device_keeps_its_shared_modules_between_rounds(tiny_model):
     assert kept and set(shared_state(trainer)) <= kept
 
 
-def test_pcl_runs_through_flower_and_mixes_on_its_rounds(tmp_path):
-    recipe = load_recipe(TINY, ["methods=[pretrained, {name: pcl, first_mix: 2, every: 1}]"])
-    result = runner.run_recipe(recipe, tmp_path / "pcl")
-    methods = result.summary["methods"]
-    assert methods["pcl"]["mean_in"] < methods["pretrained"]["mean_in"]
+@pytest.fixture(scope="module")
+def client_level_run(tmp_path_factory):
+    recipe = load_recipe(TINY, ["methods=[pretrained, {name: pcl, first_mix: 2, every: 1}, fdlora]"])
+    result = runner.run_recipe(recipe, tmp_path_factory.mktemp("run") / "client-level")
     records = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    return result.summary["methods"], records
+
+
+def test_pcl_runs_through_flower_and_mixes_on_its_rounds(client_level_run):
+    methods, records = client_level_run
+    assert methods["pcl"]["mean_in"] < methods["pretrained"]["mean_in"]
     train = [r for r in records if r["method"] == "pcl" and r["kind"] == "train"]
     mixed = [r for r in train if r["round"] == 2]
     assert len(mixed) == 3 and not any("trust_0" in r for r in train if r["round"] == 1)
@@ -94,3 +102,48 @@ def test_pcl_runs_through_flower_and_mixes_on_its_rounds(tmp_path):
     comm = {r["round"]: r for r in records if r["method"] == "pcl" and r["kind"] == "comm"}
     # Round 2 starts with a mix: each of the 3 devices is sent all 3 models of round 1.
     assert comm[1]["bytes_down"] == 0 and comm[2]["bytes_down"] == 3 * comm[1]["bytes_up"] > 0
+
+
+@pytest.mark.parametrize("tiny_model", ["gpt2"], indirect=True)
+def test_fdlora_trains_the_global_and_the_personal_module_in_turn(tiny_model):
+    method = method_for("fdlora", 2)
+    trainer = DeviceTrainer(attach_layout(tiny_model, method.layouts[0], seed=0), method, TrainingConfig())
+    batch = {"input_ids": torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))}
+    batch["labels"] = batch["input_ids"]
+
+    def snapshot(part: str) -> dict[str, torch.Tensor]:
+        return {n: t.clone() for n, t in trainable_state(trainer.model).items() if part in n}
+
+    for turn_trained, turn_idle in (("private_0", "shared_0"), ("shared_0", "private_0")):
+        before_trained, before_idle, before_attention = snapshot(turn_trained), snapshot(turn_idle), snapshot("attn")
+        trainer.train_iterations(1, lambda _: batch, lambda _: batch)  # iteration 1 is the personal module's
+        assert all(torch.equal(t, snapshot(turn_idle)[n]) for n, t in before_idle.items())
+        assert any(not torch.equal(t, snapshot(turn_trained)[n]) for n, t in before_trained.items())
+        assert any(not torch.equal(t, snapshot("attn")[n]) for n, t in before_attention.items())
+
+
+@pytest.mark.parametrize("tiny_model", ["gpt2"], indirect=True)
+def test_fusion_picks_the_grid_weight_with_the_lowest_validation_nll(tiny_model):
+    method = method_for("fdlora", 2)
+    model = attach_layout(tiny_model, method.layouts[0], seed=0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "shared_0" in name and name.endswith("lora_B"):
+                param.normal_(0, 0.5, generator=torch.Generator().manual_seed(3))
+    blocks = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1))
+    losses = []
+    for weight in FUSION_GRID:
+        set_fusion(model, weight)
+        losses.append(float(block_nll(model, blocks, 2).sum()))
+    chosen = fit_fusion(model, blocks, batch_size=2)
+    assert chosen == FUSION_GRID[losses.index(min(losses))]
+    assert len(set(losses)) > 1  # the global module's noise matters, so the choice is a real one
+
+
+def test_fdlora_runs_through_flower_keeps_the_personal_module_home_and_reports_its_fusion(client_level_run):
+    methods, records = client_level_run
+    assert methods["fdlora"]["mean_in"] < methods["pretrained"]["mean_in"]
+    final = [r for r in records if r["method"] == "fdlora" and r["kind"] == "eval" and r["round"] == 2]
+    assert len(final) == 3 and all(r["fusion_global"] in FUSION_GRID for r in final)
+    pcl_up = methods["pcl"]["upload_bytes_per_round"]
+    assert 0 < methods["fdlora"]["upload_bytes_per_round"] < pcl_up  # the personal module stays home
