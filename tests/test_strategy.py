@@ -148,6 +148,7 @@ def test_eval_every_evaluates_every_nth_round_and_the_last(tmp_path, monkeypatch
     records = federate(recipe, tmp_path, monkeypatch)
     assert sorted({r["round"] for r in records if r["kind"] == "eval"}) == [2, 3]
     assert sorted({r["round"] for r in records if r["kind"] == "comm"}) == [1, 2, 3]
+    assert not [r for r in records if r["kind"] == "drop"]  # a round without evaluation drops nobody
 
 
 def test_too_few_devices_end_within_the_timeout_naming_both_numbers():

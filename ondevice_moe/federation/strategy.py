@@ -199,6 +199,8 @@ class SlotStrategy(Strategy):
         return [self._message(device, MessageType.EVALUATE, server_round, final) for device in self.nodes]
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        if not self.evaluates(server_round):  # Flower calls this every round; nobody was asked
+            return None
         drops: dict[int, str] = {}
         headline = []
         for _, reply in self._by_device(replies, list(self.nodes), drops):
