@@ -8,10 +8,19 @@ all runs it prints, over runs, the mean (std) of the users' mean value —
 test perplexity in and out of distribution for language modelling, the task
 score for classification — its mean std over users, and the upload per round.
 
+For language modelling it also prints the standard error of each user's mean
+test NLL over the test blocks (mean over users and runs): a 1 % perplexity
+gap is a NLL gap of 0.01, so one run resolves it only when this is well under 0.01.
+
 ``--against METHOD`` adds the paired comparison: for every (run, user) pair
-the method's value minus METHOD's, their mean and standard error, and the
+the method's value against METHOD's — for perplexities the relative gap
+``100·ln(ppl / ppl_METHOD)`` in percent (users' perplexities differ by a factor
+of three, so raw differences would weigh the hardest user most), for task
+scores the difference in points — their mean and standard error, and the
 two-sided p-values of a paired t-test and of a Wilcoxon signed-rank test over
-the pairs. A gap counts as larger than its noise when both p < 0.05.
+the pairs. A gap counts as larger than its noise when both p < 0.05. Pairing
+removes what the methods share (the users' test blocks, the run's data); what
+remains is training noise across seeds and users.
 """
 
 from __future__ import annotations
@@ -54,24 +63,36 @@ def _value_keys(summaries: list[dict]) -> list[str]:
 def seed_table(summaries: list[dict]) -> str:
     keys = _value_keys(summaries)
     runs = len(summaries)
+    language = keys != ["score"]
     header = ["method", *(f"{k}: mean (std) over {runs} run(s)" for k in keys),
-              *(f"{k}: std over users" for k in keys), "upload / round (MiB)"]
+              *(f"{k}: std over users" for k in keys),
+              *(f"{k}: NLL s.e. per user" for k in keys if language), "upload / round (MiB)"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for method in _common_methods(summaries):
         entries = [s["methods"][method] for s in summaries]
         cells = [_spread([e[f"mean_{k}"] for e in entries]) for k in keys]
         cells += [f"{statistics.fmean(e[f'std_{k}'] for e in entries):.2f}" for k in keys]
+        if language:
+            cells += [_mean_standard_error(entries, k) for k in keys]
         cells.append(f"{statistics.fmean(e['upload_bytes_per_round'] for e in entries) / 2**20:.2f}")
         lines.append(f"| {method} | {' | '.join(cells)} |")
     return "\n".join(lines)
 
 
+def _mean_standard_error(entries: list[dict], key: str) -> str:
+    errors = [user[f"nll_se_{key}"] for e in entries for user in e["per_user"].values() if f"nll_se_{key}" in user]
+    return f"{statistics.fmean(errors):.3f}" if errors else "–"
+
+
 def paired_differences(summaries: list[dict], method: str, reference: str, key: str) -> list[float]:
-    """``method − reference`` for every (run, user) pair, on the per-user value ``key``."""
+    """``method`` against ``reference`` for every (run, user) pair, on the per-user value ``key``:
+    ``100·ln(ours / theirs)`` (percent) for perplexities, ``ours − theirs`` for task scores."""
+    gap = (lambda ours, theirs: 100.0 * math.log(ours / theirs)) if key in ("in", "out") else \
+        (lambda ours, theirs: ours - theirs)
     differences = []
     for summary in summaries:
         ours, theirs = summary["methods"][method]["per_user"], summary["methods"][reference]["per_user"]
-        differences += [ours[user][key] - theirs[user][key] for user in summary["users"]]
+        differences += [gap(ours[user][key], theirs[user][key]) for user in summary["users"]]
     return differences
 
 
@@ -92,7 +113,8 @@ def paired_table(summaries: list[dict], reference: str) -> str:
     if reference not in _common_methods(summaries):
         raise SystemExit(f"error: method '{reference}' is not in every run; "
                          f"fix: use one of {', '.join(_common_methods(summaries))}")
-    header = ["method", "value", f"mean Δ vs {reference} (s.e.)", "pairs", "paired t p", "Wilcoxon p",
+    unit = "%" if _value_keys(summaries) != ["score"] else " points"
+    header = ["method", "value", f"mean Δ{unit} vs {reference} (s.e.)", "pairs", "paired t p", "Wilcoxon p",
               "gap larger than noise"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for method in _common_methods(summaries):

@@ -46,7 +46,11 @@ def test_paired_table_tells_a_consistent_gap_from_noise():
     table = seed_table.paired_table(summaries, "base")
     better = next(line for line in table.splitlines() if line.startswith("| better |"))
     same = next(line for line in table.splitlines() if line.startswith("| same |"))
-    assert "| -1.0" in better and better.endswith("| yes |") and "| 12 |" in better
+    gaps = seed_table.paired_differences(summaries, "better", "base", "in")
+    expected = [100 * math.log(s["methods"]["better"]["per_user"][u]["in"] / s["methods"]["base"]["per_user"][u]["in"])
+                for s in summaries for u in USERS]
+    assert gaps == pytest.approx(expected) and all(-4 < g < -1.5 for g in gaps)  # 1 in 30-45: -2 to -3 %
+    assert f"| {sum(expected) / 12:+.2f} (" in better and better.endswith("| yes |") and "| 12 |" in better
     assert same.endswith("| no |")
 
 
