@@ -15,6 +15,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from ondevice_moe.federation.rank_pruning import pruning_penalty, zero_pruned_ranks
 from ondevice_moe.layout import hermes_routers, routing_sites, total_balance_loss
 from ondevice_moe.methods import Method
 from ondevice_moe.mixture import mixtures
@@ -167,6 +168,10 @@ class DeviceTrainer:
             balance = total_balance_loss(self.model)
             if balance is not None:
                 loss = loss + self.config.balance_weight * balance
+            procedure = self.method.procedure
+            penalty = pruning_penalty(self.model, procedure.pruning_strength) if procedure.pruning_lambda else None
+            if penalty is not None and train_experts:
+                loss = loss + procedure.pruning_lambda * penalty
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             for router in self.hermes_routers:
@@ -174,6 +179,8 @@ class DeviceTrainer:
             params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
             torch.nn.utils.clip_grad_norm_(params, self.config.grad_clip)
             optimizer.step()
+            if procedure.pruning_lambda:
+                zero_pruned_ranks(self.model)
             for router in self.hermes_routers:
                 router.update_bias()
             if scheduler is not None:

@@ -146,8 +146,9 @@ def test_corrupt_checkpoint_is_named(tiny_run, tmp_path):
 
 def test_heterogeneous_rank_baselines_run_through_flower(tmp_path):
     recipe = load_recipe(TINY, ["methods=[pretrained, {name: hetlora, ranks: [4, 8, 8]}, "
-                                "{name: flexlora, ranks: [4, 8, 8]}]"])
+                                "{name: flexlora, ranks: [4, 8, 8]}, "
+                                "{name: hetlora, ranks: [4, 8, 8], pruning_lambda: 0.05, label: hetlora-pruning}]"])
     methods = runner.run_recipe(recipe, tmp_path / "ranks").summary["methods"]
-    for name in ("hetlora", "flexlora"):
+    for name in ("hetlora", "flexlora", "hetlora-pruning"):
         assert methods[name]["mean_in"] < methods["pretrained"]["mean_in"]
         assert methods[name]["upload_bytes_per_round"] > 0

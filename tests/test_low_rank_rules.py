@@ -71,3 +71,50 @@ def test_each_device_holds_its_own_rank(tiny_model):
 def test_ranks_must_name_one_per_user(name):
     with pytest.raises(UserError, match="one MLP LoRA rank"):
         method_for(name, 3, ranks=[16, 16])
+
+
+def test_hetlora_prunes_a_device_whose_last_ranks_weigh_less_than_the_servers():
+    rule = HetLoRARule(ranks=(4, 4), pruning_strength=0.75)
+    slots = rule.aggregate(rule.initial_slots(), [_update(0, 4, seed=0), _update(1, 4, seed=1)])
+    assert rule.kept_rank(slots, 0, f"{MODULE}.lora_A") == 4  # nothing on the server yet to compare with
+    faded, loud = _update(0, 4, seed=2), _update(1, 4, seed=3)
+    faded.tensors[f"{MODULE}.lora_A"][3:] *= 1e-3  # device 0's last rank has nearly faded
+    loud.tensors[f"{MODULE}.lora_A"][3:] *= 1e3
+    slots = rule.aggregate(slots, [faded, loud])
+    assert [rule.kept_rank(slots, d, f"{MODULE}.lora_A") for d in (0, 1)] == [3, 4]
+    assert rule.message_for(slots, 0)[f"{MODULE}.lora_B"].shape == (5, 3)
+    assert rule.reference(slots, 0)[f"{MODULE}.lora_B"].shape == (5, 4)  # uploads stay at full rank
+    later = rule.aggregate(slots, [_update(0, 4, seed=4), _update(1, 4, seed=5)])
+    assert rule.kept_rank(later, 0, f"{MODULE}.lora_A") <= 3  # a cut is for good
+
+
+def test_hetlora_without_pruning_keeps_every_rank():
+    rule = HetLoRARule(ranks=(4, 4))
+    slots = rule.aggregate(rule.initial_slots(), [_update(0, 4, seed=0), _update(1, 4, seed=1)])
+    faded = _update(0, 4, seed=2)
+    faded.tensors[f"{MODULE}.lora_A"][3:] *= 1e-3
+    slots = rule.aggregate(slots, [faded, _update(1, 4, seed=3)])
+    assert rule.kept_rank(slots, 0, f"{MODULE}.lora_A") == 4 and "ranks" not in slots
+
+
+@pytest.mark.parametrize("tiny_model", ["gpt2"], indirect=True)
+def test_a_pruned_device_pads_what_it_receives_and_holds_the_cut_ranks_at_zero(tiny_model):
+    from ondevice_moe.federation.rank_pruning import fit_received, pruning_penalty, routed_loras
+    from ondevice_moe.training import DeviceTrainer, TrainingConfig
+
+    method = method_for("hetlora", 1, ranks=[4], pruning_lambda=0.5, pruning_strength=0.75)
+    model = attach_layout(tiny_model, method.layouts[0], seed=0)
+    path, lora = next(iter(routed_loras(model).items()))
+    sent = {f"{path}.lora_A": torch.randn(3, lora.lora_A.shape[1]),
+            f"{path}.lora_B": torch.randn(lora.lora_B.shape[0], 3)}
+    model.load_state_dict(fit_received(model, sent), strict=False)
+    assert lora.kept_rank == 3 and torch.equal(lora.lora_A[:3], sent[f"{path}.lora_A"])
+    penalty = pruning_penalty(model, 0.75)
+    by_hand = sum(torch.linalg.norm(m.lora_A[int(0.75 * r):r]) * torch.linalg.norm(m.lora_B[:, int(0.75 * r):r])
+                  for m in routed_loras(model).values() for r in [getattr(m, "kept_rank", m.rank)])
+    torch.testing.assert_close(penalty, by_hand)
+    trainer = DeviceTrainer(model, method, TrainingConfig())
+    batch = {"input_ids": torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))}
+    trainer.train_iterations(2, lambda _: {**batch, "labels": batch["input_ids"]}, lambda _: batch)
+    assert not lora.lora_A[3:].any() and not lora.lora_B[:, 3:].any()
+    assert lora.lora_A[:3].any()

@@ -20,6 +20,7 @@ from ondevice_moe.data.splits import SourceSpec, UserData, build_user_data
 from ondevice_moe.errors import UserError
 from ondevice_moe.federation.job import Job
 from ondevice_moe.federation.peers import mix_peers, split_peers
+from ondevice_moe.federation.rank_pruning import fit_received
 from ondevice_moe.layout import attach_layout, hermes_routers
 from ondevice_moe.methods import Method, Role
 from ondevice_moe.models import LoadedModel, load_base_model
@@ -141,6 +142,7 @@ def restore_trainer(job: Job, device: int, shared: ArrayRecord | None, state: Re
     if shared is not None and len(shared) > 0:
         tensors.update(shared.to_torch_state_dict())
     if tensors:
+        tensors = fit_received(model, tensors)  # HetLoRA sends pruned modules at their kept rank
         missing = set(tensors) - set(model.state_dict())
         if missing:
             raise ValueError(f"received tensors this device does not hold: {sorted(missing)[:3]}")

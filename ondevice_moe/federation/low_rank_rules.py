@@ -9,8 +9,11 @@ usual. The heterogeneous pairs are the ``lora_A`` (``r × in``) and ``lora_B``
   ``A`` and ``B`` to the largest rank, sum them with *sparsity weights* (each
   matrix weighted by its Frobenius norm over the sum of the norms, as in the
   CoMiGS authors' ``HetLoraAggregationStrategy``), and send device ``k`` the
-  first ``r_k`` ranks. The authors' rank self-pruning (``--is_pruning``) is not
-  implemented.
+  first ``r_k`` ranks. With ``pruning_strength`` γ (rank self-pruning, the
+  authors' ``--is_pruning``): before aggregating, a device's module whose last
+  ranks ``[⌊γr⌋, r)`` have a smaller ‖A‖·‖B‖ than the server's at the same
+  positions is cut to rank ``⌊γr⌋`` for good; the kept ranks live in the
+  ``ranks`` slot (device side: :mod:`ondevice_moe.federation.rank_pruning`).
 * :class:`FlexLoRARule` — FlexLoRA (Bai et al., 2024): average the full updates
   ``ΔW_k = γ_k B_k A_k`` weighted by example counts, take the SVD
   ``ΔW = U Σ Vᵀ``, and send device ``k`` ``A_k = V_{r_k}ᵀ`` and
@@ -26,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from ondevice_moe.federation.aggregation import Update, average
+from ondevice_moe.federation.rank_pruning import cut_rank
 from ondevice_moe.federation.rules import GLOBAL, ServerRule, Slots
 
 A, B = "lora_A", "lora_B"
@@ -65,23 +69,77 @@ class _HeterogeneousRankRule(ServerRule):
         rests, varying = zip(*(_split(update) for update in updates), strict=True)
         rest = [update for update in rests if update.tensors]
         state = {**slots[GLOBAL], **(average(rest, self.weights()) if rest else {})}
-        state.update(self._combine(list(varying), updates))
-        return {**slots, GLOBAL: state}
+        combined, extra = self._combine(list(varying), updates, slots)
+        state.update(combined)
+        return {**slots, **extra, GLOBAL: state}
 
-    def _combine(self, varying: list[dict[str, torch.Tensor]], updates: list[Update]) -> dict[str, torch.Tensor]:
-        """The server's tensors for the rank-varying matrices (``varying[i]`` from ``updates[i]``)."""
+    def _combine(self, varying: list[dict[str, torch.Tensor]], updates: list[Update],
+                 slots: Slots) -> tuple[dict[str, torch.Tensor], Slots]:
+        """The server's tensors for the rank-varying matrices (``varying[i]`` from ``updates[i]``),
+        and any other slots the rule keeps."""
         raise NotImplementedError
+
+
+RANKS = "ranks"
+
+
+def _module(name: str) -> str:
+    return name.rsplit(".", 1)[0]
 
 
 @dataclass(frozen=True)
 class HetLoRARule(_HeterogeneousRankRule):
-    """HetLoRA: zero-padded, sparsity-weighted aggregation; truncation to each device's rank."""
+    """HetLoRA: zero-padded, sparsity-weighted aggregation; truncation to each device's
+    (kept) rank; rank self-pruning with ``pruning_strength`` (``None``: off)."""
+
+    pruning_strength: float | None = None
+
+    def kept_rank(self, slots: Slots, device: int, name: str) -> int:
+        """Device ``device``'s rank for the module of tensor ``name``: its rank, or what pruning left."""
+        kept = slots.get(RANKS, {}).get(f"{device}.{_module(name)}")
+        return self.ranks[device] if kept is None else int(kept)
 
     def message_for(self, slots: Slots, device: int, train_round: int | None = None) -> dict[str, torch.Tensor]:
+        return {name: _truncate(name, t, self.kept_rank(slots, device, name)) if has_device_rank(name) else t
+                for name, t in slots[GLOBAL].items()}
+
+    def reference(self, slots: Slots, device: int) -> dict[str, torch.Tensor]:
+        """A device uploads its modules at its full rank (pruned ranks as zeros)."""
         rank = self.ranks[device]
         return {name: _truncate(name, t, rank) if has_device_rank(name) else t for name, t in slots[GLOBAL].items()}
 
-    def _combine(self, varying: list[dict[str, torch.Tensor]], updates: list[Update]) -> dict[str, torch.Tensor]:
+    def _prune(self, slots: Slots, update: Update, tensors: dict[str, torch.Tensor]
+               ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """The device's matrices at their kept ranks, each module cut to ``⌊γr⌋`` when its last
+        ranks weigh less than the server's; the new kept ranks (``ranks`` slot entries)."""
+        kept, ranks = {}, {}
+        server = slots[GLOBAL]
+        for name in sorted(n for n in tensors if n.endswith(A)):
+            module, up_name = _module(name), name.removesuffix(A) + B
+            rank = self.kept_rank(slots, update.device, name)
+            down, up = tensors[name][:rank], tensors[up_name][:, :rank]
+            if self.pruning_strength is not None and name in server:
+                cut = cut_rank(rank, self.pruning_strength)
+                ours = torch.linalg.norm(down[cut:]) * torch.linalg.norm(up[:, cut:])
+                theirs = torch.linalg.norm(server[name][cut:rank]) * torch.linalg.norm(server[up_name][:, cut:rank])
+                if cut >= 1 and ours < theirs:
+                    down, up, rank = down[:cut], up[:, :cut], cut
+            kept[name], kept[up_name] = down, up
+            ranks[f"{update.device}.{module}"] = torch.tensor([rank])
+        return kept, ranks
+
+    def _combine(self, varying: list[dict[str, torch.Tensor]], updates: list[Update],
+                 slots: Slots) -> tuple[dict[str, torch.Tensor], Slots]:
+        ranks = dict(slots.get(RANKS, {}))
+        pruned = []
+        for tensors, update in zip(varying, updates, strict=True):
+            kept, kept_ranks = self._prune(slots, update, tensors)
+            pruned.append(kept)
+            ranks.update(kept_ranks)
+        return self._sparsity_weighted(pruned), ({RANKS: ranks} if self.pruning_strength is not None else {})
+
+    @staticmethod
+    def _sparsity_weighted(varying: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         state = {}
         for name in sorted({name for tensors in varying for name in tensors}):
             held = [tensors[name].float() for tensors in varying if name in tensors]
@@ -123,7 +181,8 @@ class FlexLoRARule(_HeterogeneousRankRule):
                 message[name] = tensor
         return message
 
-    def _combine(self, varying: list[dict[str, torch.Tensor]], updates: list[Update]) -> dict[str, torch.Tensor]:
+    def _combine(self, varying: list[dict[str, torch.Tensor]], updates: list[Update],
+                 slots: Slots) -> tuple[dict[str, torch.Tensor], Slots]:
         state = {}
         weights = [float(update.num_examples) for update in updates]
         modules = sorted({name.removesuffix(f".{A}") for tensors in varying for name in tensors if name.endswith(A)})
@@ -140,5 +199,5 @@ class FlexLoRARule(_HeterogeneousRankRule):
             top = max(self.ranks)
             state[f"{module}.svd_us"] = u[:, :top] * s[:top]
             state[f"{module}.svd_vt"] = vt[:top]
-        return state
+        return state, {}
 

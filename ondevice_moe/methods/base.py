@@ -67,6 +67,9 @@ class Procedure:
     ``experts_in_turn``: each expert step trains one expert of each client-level
     router alone, in turn, and the device's expert weights are fitted on the
     validation split before it is tested (FDLoRA, :mod:`ondevice_moe.routing.fusion`).
+    ``pruning_lambda`` > 0: HetLoRA's rank self-pruning penalty with strength
+    ``pruning_strength``, and ranks the server cut held at zero
+    (:mod:`ondevice_moe.federation.rank_pruning`).
     """
 
     routers: Literal["none", "joint", "bilevel"] = "none"
@@ -74,6 +77,8 @@ class Procedure:
     full_finetune: bool = False
     peer_mixing: bool = False
     experts_in_turn: bool = False
+    pruning_lambda: float = 0.0
+    pruning_strength: float = 0.99
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from ondevice_moe.methods.base import Method, MethodContext, Procedure, Sharing,
 from ondevice_moe.methods.comigs.config import (
     FedAvgMoEOptions,
     HeterogeneousRankOptions,
+    HetLoRAOptions,
     LoRASizes,
     MoEBaselineOptions,
     PCLOptions,
@@ -127,11 +128,16 @@ def _ranked_layouts(options: HeterogeneousRankOptions, context: MethodContext, n
                  for rank in ranks)
 
 
-def hetlora(options: HeterogeneousRankOptions, context: MethodContext) -> Method:
+def hetlora(options: HetLoRAOptions, context: MethodContext) -> Method:
     """HetLoRA (Cho et al., 2024; CoMiGS Table 1): heterogeneous ranks, zero-padded
-    sparsity-weighted aggregation, truncation to each device's rank."""
+    sparsity-weighted aggregation, truncation to each device's rank, and, with
+    ``pruning_lambda`` > 0, rank self-pruning (:mod:`ondevice_moe.federation.rank_pruning`)."""
     layouts = _ranked_layouts(options, context, "hetlora")
-    return Method("hetlora", layouts, server_rule=HetLoRARule(context.weighting, ranks=tuple(options.ranks)))
+    pruning = options.pruning_lambda > 0
+    rule = HetLoRARule(context.weighting, ranks=tuple(options.ranks),
+                       pruning_strength=options.pruning_strength if pruning else None)
+    procedure = Procedure(pruning_lambda=options.pruning_lambda, pruning_strength=options.pruning_strength)
+    return Method("hetlora", layouts, procedure=procedure, server_rule=rule)
 
 
 def flexlora(options: HeterogeneousRankOptions, context: MethodContext) -> Method:

@@ -52,6 +52,16 @@ class HeterogeneousRankOptions(LoRABaselineOptions):
     ranks: list[int] | None = None
 
 
+class HetLoRAOptions(HeterogeneousRankOptions):
+    """HetLoRA's rank self-pruning (Cho et al., 2024; the CoMiGS authors' ``--is_pruning``):
+    ``pruning_lambda`` λ weighs the local penalty λ·‖A[⌊γr⌋:r]‖·‖B[:, ⌊γr⌋:r]‖ and
+    ``pruning_strength`` γ sets where a prune cuts. λ = 0 (the default) turns pruning off;
+    CoMiGS App. D uses γ = 0.99 and sweeps λ ∈ {5e-2, 5e-3, 5e-4}."""
+
+    pruning_lambda: float = Field(0.0, ge=0)
+    pruning_strength: float = Field(0.99, gt=0, lt=1)
+
+
 class CoMiGSOptions(LoRABaselineOptions):
     """``variant``: ``1G1S`` (one generalist, one specialist), ``2G`` / ``2S``
     (Table 5 ablations), ``1GXs`` (one generalist and ``experts[i] − 1``
