@@ -144,27 +144,14 @@ def evaluate_run(run_dir: Path, suite: str, device: str | None = None) -> dict[s
     """
     from ondevice_moe.federation import device as dev
     from ondevice_moe.federation.evaluation import evaluate_device, user_values
-    from ondevice_moe.recipe import validate_recipe
 
-    recipe_file = Path(run_dir) / "recipe.yaml"
-    if not recipe_file.is_file():
-        raise UserError(f"{run_dir} is not a run folder (no recipe.yaml)", "pass the --output folder of a finetune run")
-    raw = yaml.safe_load(recipe_file.read_text(encoding="utf-8"))
-    if device is not None:
-        apply_override(raw, f"model.device={device}")
-    recipe = validate_recipe(raw, source=str(recipe_file))
     if suite not in SUITES:
         raise UserError(f"unknown suite '{suite}'", f"use one of {list(SUITES)}")
+    recipe, jobs = finished_jobs(run_dir, device)
     if SUITES[suite] != recipe.is_language_modelling:
         kind = "language-modelling" if recipe.is_language_modelling else "classification"
         right = "lm" if recipe.is_language_modelling else "glue"
         raise UserError(f"suite '{suite}' does not fit this {kind} run", f"use --suite {right}")
-    finished = MetricsLog(Path(run_dir) / "metrics.jsonl").finished()
-    jobs = [job for job in (Job(recipe, index, Path(run_dir)) for index in range(len(recipe.methods)))
-            if job.method.name in finished]  # a `flwr run` folder may hold one method of the recipe
-    if not jobs:
-        raise UserError(f"no method of the run in {run_dir} has finished", "finish it first: run the same "
-                        "`ondevice-moe finetune` command again to resume")
     records = []
     for job in jobs:
         for device_index in range(len(job.method.layouts)):
@@ -177,6 +164,27 @@ def evaluate_run(run_dir: Path, suite: str, device: str | None = None) -> dict[s
                 if values:
                     records.append({"method": job.method.name, "round": 0, "kind": "eval", "user": user, **values})
     return summarize(records, [job.method.name for job in jobs], recipe.user_names, recipe.metric)
+
+
+def finished_jobs(run_dir: Path, device: str | None = None) -> tuple[Recipe, list[Job]]:
+    """A run folder's recipe and the jobs of its finished methods (``device`` overrides
+    ``model.device``); a folder that is not a run, or has nothing finished, is a :class:`UserError`."""
+    from ondevice_moe.recipe import validate_recipe
+
+    recipe_file = Path(run_dir) / "recipe.yaml"
+    if not recipe_file.is_file():
+        raise UserError(f"{run_dir} is not a run folder (no recipe.yaml)", "pass the --output folder of a finetune run")
+    raw = yaml.safe_load(recipe_file.read_text(encoding="utf-8"))
+    if device is not None:
+        apply_override(raw, f"model.device={device}")
+    recipe = validate_recipe(raw, source=str(recipe_file))
+    finished = MetricsLog(Path(run_dir) / "metrics.jsonl").finished()
+    jobs = [job for job in (Job(recipe, index, Path(run_dir)) for index in range(len(recipe.methods)))
+            if job.method.name in finished]  # a `flwr run` folder may hold one method of the recipe
+    if not jobs:
+        raise UserError(f"no method of the run in {run_dir} has finished", "finish it first: run the same "
+                        "`ondevice-moe finetune` command again to resume")
+    return recipe, jobs
 
 
 def gpus_per_client(job: Job) -> float:

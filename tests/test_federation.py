@@ -1,6 +1,7 @@
 """A real Flower simulation: three devices, a tiny GPT-2, three methods."""
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -99,18 +100,39 @@ def test_same_seed_gives_the_same_numbers(tiny_run, tmp_path):
     assert again.summary["methods"]["fedavg"] == result.summary["methods"]["fedavg"]
 
 
-def test_seed_table_over_runs(tiny_run, capsys):
+def _eval_script(name: str):
     import importlib.util
 
-    path = Path(__file__).parent.parent / "eval" / "seed_table.py"
-    spec = importlib.util.spec_from_file_location("seed_table", path)
-    seed_table = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(seed_table)
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).parent.parent / "eval" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_seed_table_over_runs(tiny_run, capsys):
+    seed_table = _eval_script("seed_table")
     _, result, _ = tiny_run
     seed_table.main([str(result.run_dir), str(result.run_dir)])
     table = capsys.readouterr().out
     mean = result.summary["methods"]["comigs-1G1S"]["mean_in"]
     assert f"| comigs-1G1S | {mean:.2f} (0.00) |" in table
+
+
+def test_block_pairs_reproduce_the_runs_perplexity_gaps_block_by_block(tiny_run, capsys):
+    block_pairs = _eval_script("block_pairs")
+    _, result, _ = tiny_run
+    methods = result.summary["methods"]
+    gaps = block_pairs.block_gaps(result.run_dir, "comigs-1G1S", "fedavg")
+    for user, pair in gaps.items():
+        ours, theirs = methods["comigs-1G1S"]["per_user"][user], methods["fedavg"]["per_user"][user]
+        for key in ("in", "out"):
+            mean, error = block_pairs.describe(pair[key])
+            assert mean == pytest.approx(100 * math.log(ours[key] / theirs[key]), abs=1e-3)
+            assert error > 0
+    same = block_pairs.block_gaps(result.run_dir, "fedavg", "fedavg")
+    assert all(not pair["in"].any() for pair in same.values())
+    with pytest.raises(SystemExit, match="method 'nope' has not finished"):
+        block_pairs.main([str(result.run_dir), "--method", "nope", "--against", "fedavg"])
 
 
 def test_eval_command_recomputes_final_perplexities(tiny_run):

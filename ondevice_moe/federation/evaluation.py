@@ -29,15 +29,21 @@ def user_values(metrics: dict[str, float], user: int) -> dict[str, float]:
     return {key.removeprefix(prefix): value for key, value in metrics.items() if key.startswith(prefix)}
 
 
+def union_test_nll(job: Job, model: nn.Module) -> tuple[torch.Tensor, list[int], int]:
+    """Summed NLL of every block of the union of the users' test splits; user ``u``'s own
+    blocks are ``[offsets[u], offsets[u + 1])``; and the blocks' length."""
+    per_user = [dev.eval_blocks(job, u) for u in range(len(job.recipe.data.users))]
+    union_nll = block_nll(model, torch.cat(per_user), job.recipe.data.eval_batch_size)
+    offsets = torch.tensor([0, *(b.shape[0] for b in per_user)]).cumsum(0).tolist()
+    return union_nll, offsets, per_user[0].shape[1]
+
+
 def _language_model(job: Job, device: int, model: nn.Module) -> dict[str, float]:
     batch = job.recipe.data.eval_batch_size
     fused = None
     if job.method.procedure.experts_in_turn:  # FDLoRA: weigh global and personal modules first
         fused = fit_fusion(model, dev.device_split(job, device, "valid")[:FUSION_BLOCKS], batch)
-    per_user = [dev.eval_blocks(job, u) for u in range(len(job.recipe.data.users))]
-    union_nll = block_nll(model, torch.cat(per_user), batch)
-    context_length = per_user[0].shape[1]
-    offsets = torch.tensor([0, *(b.shape[0] for b in per_user)]).cumsum(0).tolist()
+    union_nll, offsets, context_length = union_test_nll(job, model)
     metrics: dict[str, float] = {"num-examples": int(union_nll.numel())}
     for user in dev.users_of_device(job, device):
         own = union_nll[offsets[user] : offsets[user + 1]]
