@@ -169,8 +169,9 @@ class DeviceTrainer:
             if balance is not None:
                 loss = loss + self.config.balance_weight * balance
             procedure = self.method.procedure
-            penalty = pruning_penalty(self.model, procedure.pruning_strength) if procedure.pruning_lambda else None
-            if penalty is not None and train_experts:
+            penalty = pruning_penalty(self.model, procedure.pruning_strength) \
+                if procedure.pruning_lambda and train_experts else None
+            if penalty is not None:
                 loss = loss + procedure.pruning_lambda * penalty
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
