@@ -15,6 +15,15 @@ and where the mixing happens:
   token's weight for it (eq. 9): LoRA on the attention query and value
   projections, an adapter after the FFN, a prefix inside attention (one
   gated SDPA call, :mod:`ondevice_moe.experts.prefix`).
+* ``mixing="every-layer"`` — FLoRAL §3.2 and §5 (FML): each expert (kind
+  ``layers``) is a set of adaptors on every layer of the model (inside the
+  transformer blocks of a Hugging Face model) — LoRA on Linear, ConvLoRA on
+  Conv2d, bias and norm adaptors, as ``adaptor_kinds`` says — and every layer
+  adds ``Σ_c π_c · adaptor_c``, ``π`` being the client's mixture
+  (router ``client-mixture``, one vector per device).
+* ``mixing="ensemble"`` — FLoRAL's Ensemble baseline (Tables 1, 3): each
+  expert (kind ``model``) is a whole copy of a small model, and the output is
+  ``Σ_c π_c f_c(x)``.
 
 Independently of the routed experts, ``attention_lora`` puts one always-on
 LoRA of the given role on every attention projection (CoMiGS App. B.1.2).
@@ -42,20 +51,22 @@ from torch import nn
 from ondevice_moe.errors import UserError
 from ondevice_moe.experts import LoRA, LoRAAdaptedLinear, linear_features
 from ondevice_moe.experts.adapter import Adapter, AdapterAfter
+from ondevice_moe.experts.layer import AdaptedLayer, AdaptorKinds, LayerAdaptor, layer_adaptor
 from ondevice_moe.experts.prefix import Prefix, register_prefix_attention
 from ondevice_moe.mixture import MixedForward, MixtureMLP, gpt2_mixed_forward, llama_mixed_forward
-from ondevice_moe.routing import ClientRouter, TokenTopKRouter, UniformRouter
+from ondevice_moe.routing import ClientMixtureRouter, ClientRouter, TokenTopKRouter, UniformRouter
 from ondevice_moe.routing.block import BlockRouter, route_block_input
 from ondevice_moe.routing.hermes import HermesRouter
 from ondevice_moe.routing.routers import BalanceForm
 
-ExpertKind = Literal["lora", "adapter", "prefix"]
+ExpertKind = Literal["lora", "adapter", "prefix", "layers", "model"]
 RoleName = Literal["shared", "private"]
-RouterKind = Literal["none", "uniform", "token-topk", "hermes", "sigmoid", "client"]
-Mixing = Literal["mlp", "block"]
+RouterKind = Literal["none", "uniform", "token-topk", "hermes", "sigmoid", "client", "client-mixture"]
+Mixing = Literal["mlp", "block", "every-layer", "ensemble"]
 
-EXPERT_KINDS: tuple[str, ...] = ("lora", "adapter", "prefix")
-ROUTER_KINDS: tuple[str, ...] = ("none", "uniform", "token-topk", "hermes", "sigmoid", "client")
+EXPERT_KINDS: tuple[str, ...] = ("lora", "adapter", "prefix", "layers", "model")
+ROUTER_KINDS: tuple[str, ...] = ("none", "uniform", "token-topk", "hermes", "sigmoid", "client", "client-mixture")
+CLIENT_LEVEL_KINDS = {"every-layer": "layers", "ensemble": "model"}
 
 
 # -- where experts go, per architecture ------------------------------------------
@@ -140,7 +151,8 @@ class RouterSpec:
     ``hermes``: the dual-view router of Hermes eq. (4)–(8) (``use_feature`` /
     ``use_gradient`` switch views off for the ablations); ``sigmoid``:
     FedUniPELT's dense sigmoid gates; ``client``: one weight per expert for the
-    whole device, set by the method (FDLoRA).
+    whole device, set by the method (FDLoRA); ``client-mixture``: FLoRAL's learned
+    ``π = softmax(θ)`` for the whole device, or the one-hot ``π*`` on expert ``optimal``.
     """
 
     kind: RouterKind = "token-topk"
@@ -152,6 +164,7 @@ class RouterSpec:
     gradient_ema: float = 0.9
     use_feature: bool = True
     use_gradient: bool = True
+    optimal: int | None = None
 
 
 @dataclass(frozen=True)
@@ -174,12 +187,22 @@ class Layout:
     mixing: Mixing = "mlp"
     attention_lora: RoleName | None = None
     sizes: ExpertSizes = field(default_factory=ExpertSizes)
+    adaptor_kinds: AdaptorKinds = field(default_factory=AdaptorKinds)
 
     def __post_init__(self) -> None:
         kinds = [e.kind for e in self.experts]
         unknown = sorted(set(kinds) - set(EXPERT_KINDS))
         if unknown:
             raise UserError(f"unknown expert kind(s) {unknown}", f"use some of {list(EXPERT_KINDS)}")
+        client_kind = CLIENT_LEVEL_KINDS.get(self.mixing)
+        if (client_kind is not None and set(kinds) != {client_kind}) or \
+                (client_kind is None and set(kinds) & set(CLIENT_LEVEL_KINDS.values())):
+            raise UserError(f"mixing '{self.mixing}' cannot hold experts of kinds {sorted(set(kinds))}",
+                            "every-layer mixing takes `layers` experts, ensemble mixing `model` experts, "
+                            "and the other mixings the PEFT kinds")
+        if client_kind is not None and self.router.kind not in ("client-mixture", "none"):
+            raise UserError(f"mixing '{self.mixing}' mixes experts per client, not with router "
+                            f"'{self.router.kind}'", "use router client-mixture (or none for one expert)")
         # A token top-k router takes min(k, n) experts (CoMiGS-1GXs devices hold 1 to n);
         # Hermes's k is a choice of the method (Fig. 3a), so a k above n is a mistake.
         if self.router.kind == "hermes" and self.experts and not 1 <= self.router.top_k <= len(self.experts):
@@ -250,6 +273,10 @@ def attach_layout(base_model: nn.Module, layout: Layout, *, seed: int, user: int
     """
     model = frozen_copy(base_model, own)
     device = next(base_model.parameters()).device
+    if layout.mixing in CLIENT_LEVEL_KINDS:
+        _attach_client_mixture(model, layout, _ExpertBuilder(layout, getattr(model, "config", None), seed, user))
+        _move_experts(model, device)
+        return model
     sites, blocks = sites_of(model)
     if layout.uses_prefix:
         _use_prefix_attention(model)
@@ -274,7 +301,8 @@ def _move_experts(model: nn.Module, device: torch.device) -> None:
     if device.type == "cpu":
         return
     for module in model.modules():
-        if isinstance(module, LoRA | Adapter | Prefix | BlockRouter | HermesRouter | TokenTopKRouter | ClientRouter):
+        if isinstance(module, LoRA | Adapter | Prefix | BlockRouter | HermesRouter | TokenTopKRouter | ClientRouter
+                      | LayerAdaptor | ClientMixtureRouter | EnsembleNet):
             module.to(device)
 
 
@@ -393,6 +421,75 @@ def _attach_block_mixture(block: nn.Module, sites: Sites, layout: Layout, builde
         if isinstance(router.router, HermesRouter):
             router.router.expert_params = expert_params
         block.register_forward_pre_hook(route_block_input, with_kwargs=True)
+
+
+def _attach_client_mixture(model: nn.Module, layout: Layout, builder: _ExpertBuilder) -> None:
+    """FLoRAL: one client-level router (``model.router``, private) and, per expert, adaptors on
+    every layer (``every-layer``) or a whole copy of the network (``ensemble``)."""
+    names = layout.expert_names
+    spec = layout.router
+    router = ClientMixtureRouter(len(names), spec.optimal) if spec.kind == "client-mixture" else None
+    gates = [router.gate(i) if router is not None else _always_on for i in range(len(names))]
+    if router is not None:
+        model.router = router
+    if layout.mixing == "ensemble":
+        net = getattr(model, "net", None)
+        if not isinstance(net, nn.Module) or hasattr(model, "config"):
+            raise UserError("an ensemble of whole models is built for the small models (linear, mlp, cnn)",
+                            "use every-layer adaptors on Hugging Face models")
+        model.net = EnsembleNet({name: _fresh_copy(net, builder, name) for name in names}, gates)
+        return
+    for path, layer in _adaptable_layers(model):
+        adapted = None
+        for name, gate in zip(names, gates, strict=True):
+            adaptor = layer_adaptor(layer, layout.adaptor_kinds, builder._generator(0, path, name))
+            if adaptor is None:
+                break
+            if adapted is None:
+                adapted = AdaptedLayer(layer)
+                parent, _, leaf = path.rpartition(".")
+                setattr(model.get_submodule(parent) if parent else model, leaf, adapted)
+            adapted.add(name, adaptor, gate)
+
+
+def _always_on() -> torch.Tensor:
+    return torch.ones(())
+
+
+def _adaptable_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The layers FLoRAL adapts, with their paths: every leaf layer of a small model; inside the
+    transformer blocks of a Hugging Face model (embeddings and task heads keep their own weights)."""
+    if hasattr(model, "config"):
+        _, blocks = sites_of(model)
+        prefix = next(name for name, module in model.named_modules() if module is blocks)
+        scope = [(f"{prefix}.{name}", module) for name, module in blocks.named_modules() if name]
+    else:
+        scope = [(name, module) for name, module in model.named_modules() if name]
+    return [(path, module) for path, module in scope if not list(module.children())]
+
+
+def _fresh_copy(net: nn.Module, builder: _ExpertBuilder, name: str) -> nn.Module:
+    """A copy of ``net`` re-initialised from the seed and the expert's name (the same on every
+    device for a shared expert), trainable."""
+    copy_ = copy.deepcopy(net)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(int(builder._generator(0, "ensemble", name).initial_seed()))
+        for module in copy_.modules():
+            if hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+    return copy_.requires_grad_(True)
+
+
+class EnsembleNet(nn.Module):
+    """FLoRAL's Ensemble baseline: ``Σ_c π_c f_c(x)`` over whole copies ``f_c`` of a network."""
+
+    def __init__(self, experts: dict[str, nn.Module], gates: list) -> None:
+        super().__init__()
+        self.experts = nn.ModuleDict(experts)
+        self.gates = gates
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return sum(gate() * expert(x) for gate, expert in zip(self.gates, self.experts.values(), strict=True))
 
 
 def _register_expert_params(router: nn.Module, experts: dict[str, nn.Module]) -> None:

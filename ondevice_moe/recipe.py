@@ -19,6 +19,7 @@ from ondevice_moe.data.tasks import TASKS
 from ondevice_moe.errors import UserError
 from ondevice_moe.methods.base import Method, MethodContext, MethodOptions
 from ondevice_moe.methods.comigs.config import LoRASizes
+from ondevice_moe.methods.floral.config import FLoRALSizes
 from ondevice_moe.methods.hermes.config import HermesSizes
 from ondevice_moe.methods.registry import CLASSIFICATION, LANGUAGE, METHODS, SMALL, build_method, method_options
 from ondevice_moe.models.registry import MODEL_ALIASES
@@ -257,11 +258,12 @@ class TrainingSection(_Section):
     router_steps: int = Field(10, ge=0)
     balance_weight: float = Field(0.01, ge=0)
     warmup_fraction: float = Field(0.05, gt=0, lt=1)
-    grad_clip: float = Field(1.0, gt=0)
+    grad_clip: float | None = Field(1.0, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     router_weight_decay: float = Field(0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.999)
     lr_schedule: Literal["one-cycle-cosine", "cosine", "constant"] = "one-cycle-cosine"
+    optimizer: Literal["adamw", "sgd"] = "adamw"
 
     @field_validator("betas")
     @classmethod
@@ -306,6 +308,7 @@ class Recipe(_Section):
     model: ModelSection = ModelSection()
     experts: LoRASizes = LoRASizes()
     hermes: HermesSizes = HermesSizes()
+    floral: FLoRALSizes = FLoRALSizes()
     data: DataSection | None = None
     task: TaskSection | None = None
     federation: FederationSection = FederationSection()
@@ -357,7 +360,10 @@ class Recipe(_Section):
             raise ValueError(f"{error.problem} ({error.fix})") from None
 
     def method_context(self) -> MethodContext:
-        return MethodContext(num_users=len(self.user_names), weighting=self.federation.weighting)
+        clusters = None
+        if self.task is not None and self.task.path is None:
+            clusters = self.task.clusters or self.task.spec().clusters
+        return MethodContext(num_users=len(self.user_names), weighting=self.federation.weighting, clusters=clusters)
 
     def method(self, index: int) -> Method:
         """Entry ``index`` resolved for the recipe's devices."""

@@ -15,11 +15,12 @@ from typing import Literal
 import torch
 from torch import nn
 
+from ondevice_moe.experts.preconditioning import precondition_gradients
 from ondevice_moe.federation.rank_pruning import pruning_penalty, zero_pruned_ranks
 from ondevice_moe.layout import hermes_routers, routing_sites, total_balance_loss
 from ondevice_moe.methods import Method
 from ondevice_moe.mixture import mixtures
-from ondevice_moe.routing import ClientRouter
+from ondevice_moe.routing import ClientRouter, client_mixture
 from ondevice_moe.routing.hermes import counting_real_tokens
 
 
@@ -31,7 +32,9 @@ class TrainingConfig:
     ``collab_utils/clients.py``) differs: AdamW β = (0.9, 0.95), weight decay
     1e-2 on experts and routers, and ``lr_schedule="cosine"`` (cosine annealing
     to lr/10, no warm-up); the bundled CoMiGS recipes use the code's settings.
-    Hermes uses Adam at 2e-4 with weight decay 1e-4 and a constant rate (§5.1)."""
+    Hermes uses Adam at 2e-4 with weight decay 1e-4 and a constant rate (§5.1).
+    FLoRAL's code trains with plain SGD (``optimizer="sgd"``: no momentum) and no
+    clipping (``grad_clip=None``)."""
 
     lr: float = 2e-3
     router_lr: float = 2e-3
@@ -41,11 +44,12 @@ class TrainingConfig:
     batch_size: int = 64
     total_iterations: int = 200
     warmup_fraction: float = 0.05
-    grad_clip: float = 1.0
+    grad_clip: float | None = 1.0
     weight_decay: float = 0.0
     router_weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
     lr_schedule: Literal["one-cycle-cosine", "cosine", "constant"] = "one-cycle-cosine"
+    optimizer: Literal["adamw", "sgd"] = "adamw"
 
 
 Batch = dict[str, torch.Tensor]
@@ -76,13 +80,16 @@ class DeviceTrainer:
         if self.method.procedure.routers == "joint":
             expert_params += self.router_parameters()
         if expert_params:
-            self.expert_optimizer = torch.optim.AdamW(expert_params, lr=self.config.lr, betas=self.config.betas,
-                                                      weight_decay=self.config.weight_decay)
+            self.expert_optimizer = self._optimizer(expert_params, self.config.lr, self.config.weight_decay)
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.expert_optimizer, self._schedule())
         if self.method.procedure.routers == "bilevel" and self.router_parameters():
-            self.router_optimizer = torch.optim.AdamW(self.router_parameters(), lr=self.config.router_lr,
-                                                      betas=self.config.betas,
-                                                      weight_decay=self.config.router_weight_decay)
+            self.router_optimizer = self._optimizer(self.router_parameters(), self.config.router_lr,
+                                                    self.config.router_weight_decay)
+
+    def _optimizer(self, params: list[nn.Parameter], lr: float, weight_decay: float) -> torch.optim.Optimizer:
+        if self.config.optimizer == "sgd":
+            return torch.optim.SGD(params, lr=lr, weight_decay=weight_decay)
+        return torch.optim.AdamW(params, lr=lr, betas=self.config.betas, weight_decay=weight_decay)
 
     def _schedule(self) -> Callable[[int], float]:
         """The experts' learning-rate factor per step."""
@@ -124,6 +131,8 @@ class DeviceTrainer:
         metrics = {"train_loss": sum(losses) / max(len(losses), 1), "iteration": float(self.iteration)}
         if router_losses:
             metrics["router_loss"] = sum(router_losses) / len(router_losses)
+        for index, weight in enumerate(client_mixture(self.model) or []):
+            metrics[f"pi_{index}"] = weight
         for layer, (sums, site) in enumerate(zip(score_sums, routing_sites(self.model), strict=True)):
             for name, total in zip(site.expert_names, sums.tolist(), strict=True):
                 metrics[f"layer_{layer}/expert_{name}_score"] = total / max(iterations, 1)
@@ -177,8 +186,11 @@ class DeviceTrainer:
             loss.backward()
             for router in self.hermes_routers:
                 router.after_backward()
-            params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-            torch.nn.utils.clip_grad_norm_(params, self.config.grad_clip)
+            if procedure.lora_preconditioning:
+                precondition_gradients(self.model)
+            if self.config.grad_clip is not None:
+                params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+                torch.nn.utils.clip_grad_norm_(params, self.config.grad_clip)
             optimizer.step()
             if procedure.pruning_lambda:
                 zero_pruned_ranks(self.model)

@@ -19,13 +19,15 @@ import torch
 
 @dataclass
 class Update:
-    """The shared tensors one device sent back, with its example count and,
-    for routed experts, their usage counts (tensor name → tokens routed)."""
+    """The shared tensors one device sent back, with its example count,
+    for routed experts their usage counts (tensor name → tokens routed), and
+    for FLoRAL the client's mixture π over its experts."""
 
     device: int
     tensors: dict[str, torch.Tensor]
     num_examples: int
     usage: dict[str, float] = field(default_factory=dict)
+    mixture: tuple[float, ...] = ()
 
 
 Weighting = Callable[[Update, str], float]
@@ -89,7 +91,9 @@ def average(updates: list[Update], weighting: Weighting | None = None) -> dict[s
 
     A name held by a subset of devices (CoMiGS-1GXs users with different
     expert counts, Hermes clients that used different experts) is averaged
-    over that subset. ``weighting`` defaults to the plain mean.
+    over that subset. ``weighting`` defaults to the plain mean. A tensor whose
+    weights sum to zero (FLoRAL's adaptor of a cluster no sampled client
+    belongs to, under π*) is left out, so it keeps its last value.
     """
     weighting = weighting or example_weighting("uniform")
     sums: dict[str, torch.Tensor] = {}
@@ -102,4 +106,4 @@ def average(updates: list[Update], weighting: Weighting | None = None) -> dict[s
             sums[name] = sums[name] + value if name in sums else value
             totals[name] = totals.get(name, 0.0) + weight
             dtypes[name] = tensor.dtype
-    return {name: (sums[name] / totals[name]).to(dtypes[name]) for name in sums}
+    return {name: (sums[name] / totals[name]).to(dtypes[name]) for name in sums if totals[name] > 0}

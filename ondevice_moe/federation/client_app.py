@@ -4,7 +4,7 @@
 private state in ``context.state`` (for PCL, first average the peers' models the
 server relayed), run the method's local procedure, keep the
 private part, and reply with the shared part only (plus, for Hermes, each
-uploaded expert's usage count). ``evaluate``: for language modelling, test
+uploaded expert's usage count; for FLoRAL, the client's mixture π). ``evaluate``: for language modelling, test
 perplexity in distribution (the user's own test split) and out of
 distribution (the union of all users' test splits); for classification, the
 task's metric on the client's own test split. ``query``: the device's index
@@ -54,10 +54,10 @@ def train(msg: Message, context: Context) -> Message:
     metrics, examples = dev.run_local_procedure(job, device, trainer, seed)
     dev.save_private_state(trainer, context.state)
     metrics.update({**trust, "device": device, "num-examples": examples})
-    tensors, usage = dev.upload(job, trainer)
+    tensors, records = dev.upload(job, trainer)
     content = RecordDict({"arrays": ArrayRecord(tensors), "metrics": MetricRecord(metrics)})
-    if usage is not None:
-        content["usage"] = MetricRecord(usage)
+    for key, values in records.items():
+        content[key] = MetricRecord(values)
     return Message(content, reply_to=msg)
 
 

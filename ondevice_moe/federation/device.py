@@ -24,6 +24,7 @@ from ondevice_moe.federation.rank_pruning import fit_received
 from ondevice_moe.layout import attach_layout, hermes_routers
 from ondevice_moe.methods import Method, Role
 from ondevice_moe.models import LoadedModel, load_base_model
+from ondevice_moe.routing import client_mixture
 from ondevice_moe.training import DeviceTrainer, trainable_state
 
 PRIVATE_KEY = "private"
@@ -115,12 +116,17 @@ def build_model(job: Job, device: int) -> nn.Module:
     """The device's model: the shared base with this device's experts (and task head) attached."""
     layout = job.method.layouts[device]
     base = job_base_model(job).model
-    if job.method.procedure.full_finetune:
-        return copy.deepcopy(base).requires_grad_(True)
+    whole = job.method.procedure.full_finetune
+    if whole:
+        base = copy.deepcopy(base)
+        if layout is None:
+            return base.requires_grad_(True)
     if layout is None:
         return base
     heads = () if job.recipe.is_language_modelling else head_paths(base)
     model = attach_layout(base, layout, seed=job.recipe.seed, user=device, own=heads)
+    if whole:  # FLoRAL trains the base u with its adaptors (Alg. 1 line 8)
+        return model.requires_grad_(True)
     for path in heads:
         model.get_submodule(path).requires_grad_(True)
     return model
@@ -222,13 +228,18 @@ def upload_reference(job: Job, device: int) -> dict[str, torch.Tensor]:
             for name, tensor in trainable_state(model).items() if travels(job.method, name)}
 
 
-def upload(job: Job, trainer: DeviceTrainer) -> tuple[dict[str, torch.Tensor], dict[str, float] | None]:
-    """What the device sends after a round: its shared tensors and, when the
-    server weighs experts by usage (Hermes), each uploaded expert tensor's usage count."""
+def upload(job: Job, trainer: DeviceTrainer) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
+    """What the device sends after a round: its shared tensors and the numbers the server
+    weighs them by — ``usage``: each uploaded expert tensor's usage count, when the server
+    weighs experts by usage (Hermes); ``mixture``: the client's ``π`` (FLoRAL Alg. 1 line 12)."""
     tensors = shared_state(trainer)
-    if not job.method.sharing.selected_only:
-        return tensors, None
-    return tensors, {name: count for name, count in expert_usage(trainer.model).items() if name in tensors}
+    records: dict[str, dict] = {}
+    if job.method.sharing.selected_only:
+        records["usage"] = {name: count for name, count in expert_usage(trainer.model).items() if name in tensors}
+    mixture = client_mixture(trainer.model)
+    if mixture is not None:
+        records["mixture"] = {"pi": mixture}
+    return tensors, records
 
 
 def expert_usage(model: nn.Module) -> dict[str, float]:

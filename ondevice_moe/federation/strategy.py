@@ -257,10 +257,11 @@ class SlotStrategy(Strategy):
             metrics = dict(content["metrics"])
             arrays = content["arrays"]
             usage = dict(content["usage"]) if "usage" in content else {}
-            update = Update(device, dict(arrays.to_torch_state_dict()), int(metrics["num-examples"]), usage)
+            mixture = tuple(float(p) for p in content["mixture"]["pi"]) if "mixture" in content else ()
+            update = Update(device, dict(arrays.to_torch_state_dict()), int(metrics["num-examples"]), usage, mixture)
         except (KeyError, TypeError, ValueError) as error:
             return Update(device, {}, 0), {}, 0, f"malformed reply ({type(error).__name__}: {error})"
-        size = _record_bytes(arrays) + (content["usage"].count_bytes() if "usage" in content else 0)
+        size = _record_bytes(arrays) + sum(content[key].count_bytes() for key in ("usage", "mixture") if key in content)
         metrics.pop("device", None)
         return update, metrics, size, None
 

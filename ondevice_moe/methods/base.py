@@ -46,10 +46,13 @@ class MethodOptions(BaseModel):
 @dataclass(frozen=True)
 class MethodContext:
     """What a method is built from besides its own options: the number of
-    devices and the federation's weighting of device updates."""
+    devices, the federation's weighting of device updates and the task's
+    ground-truth clusters (``None`` where it has none; client ``k`` belongs to
+    cluster ``k mod C``, as :mod:`ondevice_moe.data.small` deals them)."""
 
     num_users: int
     weighting: str = "uniform"
+    clusters: int | None = None
 
 
 @dataclass(frozen=True)
@@ -69,7 +72,9 @@ class Procedure:
     validation split before it is tested (FDLoRA, :mod:`ondevice_moe.routing.fusion`).
     ``pruning_lambda`` > 0: HetLoRA's rank self-pruning penalty with strength
     ``pruning_strength``, and ranks the server cut held at zero
-    (:mod:`ondevice_moe.federation.rank_pruning`).
+    (:mod:`ondevice_moe.federation.rank_pruning`). ``lora_preconditioning``: every
+    LoRA and ConvLoRA gradient is preconditioned before the step (FLoRAL App. D,
+    :mod:`ondevice_moe.experts.preconditioning`).
     """
 
     routers: Literal["none", "joint", "bilevel"] = "none"
@@ -79,6 +84,7 @@ class Procedure:
     experts_in_turn: bool = False
     pruning_lambda: float = 0.0
     pruning_strength: float = 0.99
+    lora_preconditioning: bool = False
 
 
 @dataclass(frozen=True)

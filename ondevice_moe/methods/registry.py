@@ -27,6 +27,8 @@ from ondevice_moe.methods.comigs.config import (
     PCLOptions,
 )
 from ondevice_moe.methods.comigs.method import comigs
+from ondevice_moe.methods.floral import method as floral_methods
+from ondevice_moe.methods.floral.config import FLoRALOptions, LocalAdaptorOptions
 from ondevice_moe.methods.hermes import baselines as hermes_baselines
 from ondevice_moe.methods.hermes.config import HermesBaselineOptions, HermesOptions
 from ondevice_moe.methods.hermes.method import hermes
@@ -73,6 +75,9 @@ METHODS: dict[str, MethodSpec] = {
     "fed-prefix": MethodSpec(HermesBaselineOptions, hermes_baselines.single_kind("prefix"), _TEXT, "hermes"),
     "fed-unipelt": MethodSpec(HermesBaselineOptions, hermes_baselines.fed_unipelt, _TEXT, "hermes"),
     "mixture": MethodSpec(MixtureOptions, mixture, _TEXT),
+    "floral": MethodSpec(FLoRALOptions, floral_methods.floral, _ANY, "floral"),
+    "ensemble": MethodSpec(FLoRALOptions, floral_methods.ensemble, frozenset({SMALL}), "floral"),
+    "local-adaptor": MethodSpec(LocalAdaptorOptions, floral_methods.local_adaptor, _ANY, "floral"),
 }
 
 

@@ -11,6 +11,7 @@ weight per expert for the whole device (FDLoRA).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -119,3 +120,41 @@ class TokenTopKRouter(nn.Module):
         else:
             balance = switch_balance_loss(probs, selected, self.top_k)
         return Routing(weights=weights.to(hidden.dtype), balance_loss=balance)
+
+
+class ClientMixtureRouter(nn.Module):
+    """FLoRAL §5: the client's mixture ``π^k = softmax(θ^k)`` over its C experts, one
+    vector for the whole device (every adapted layer, every input), ``θ^k ∈ R^C``
+    private and learned with the model (Alg. 1 line 7) from ``θ = 0`` (the authors'
+    ``floral/model/router.py``).
+
+    ``optimal`` (an expert index) fixes π to that one-hot vector instead: the
+    "π*" rows of Tables 1 and 3, the client's ground-truth cluster. The authors'
+    code adds uniform noise to θ while training and floors each π_c at 0.01; the
+    paper's Alg. 1 does neither, and neither do we.
+    """
+
+    def __init__(self, num_experts: int, optimal: int | None = None) -> None:
+        super().__init__()
+        if optimal is None:
+            self.theta = nn.Parameter(torch.zeros(num_experts))
+        else:
+            if not 0 <= optimal < num_experts:
+                raise ValueError(f"optimal expert {optimal} is not one of {num_experts}")
+            self.register_buffer("fixed", nn.functional.one_hot(torch.tensor(optimal), num_experts).float())
+
+    def mixture(self) -> torch.Tensor:
+        """``π``, shape ``(C,)``."""
+        return self.fixed if hasattr(self, "fixed") else torch.softmax(self.theta, dim=0)
+
+    def gate(self, index: int) -> Callable[[], torch.Tensor]:
+        """Expert ``index``'s weight ``π_index``, read at every forward pass."""
+        return lambda: self.mixture()[index]
+
+
+def client_mixture(model: nn.Module) -> list[float] | None:
+    """A device's mixture ``π`` over its experts (FLoRAL), or ``None`` without a client-mixture router."""
+    router = getattr(model, "router", None)
+    if not isinstance(router, ClientMixtureRouter):
+        return None
+    return [float(p) for p in router.mixture().detach()]

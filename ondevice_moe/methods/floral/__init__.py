@@ -1,0 +1,1 @@
+"""FLoRAL (Almansoori et al.): per-client mixtures of federated low-rank adaptors."""

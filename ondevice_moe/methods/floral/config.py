@@ -1,0 +1,45 @@
+"""Options of FLoRAL and its baselines (FLoRAL §3.2, §5, App. D and G).
+
+The recipe's ``floral:`` section sets these for every method of the family;
+an entry may override them (``{name: floral, budget: 0.1}``).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ondevice_moe.methods.base import MethodOptions
+
+
+class FLoRALSizes(BaseModel):
+    """``clusters``: C experts per client (default: the task's ground-truth clusters);
+    ``budget``: ρ, each low-rank adaptor's parameters relative to its layer's (§3.2: 1 % or
+    10 %); ``conv_lora``: the ConvLoRA form on Conv2d layers (App. F.1: ``balanced-2d``,
+    the paper's choice; ``channel``; ``none``); ``bias`` / ``norm``: bias and
+    normalisation adaptors (§3.2, App. F.2; the authors' code turns norm adaptors off);
+    ``preconditioning``: App. D's LoRA preconditioning, on in the paper's experiments;
+    ``train_base``: train the base ``u`` with the adaptors and average it (Alg. 1 — the
+    small models); ``false`` keeps a Hugging Face base frozen, as PEFT does."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    clusters: int | None = Field(None, ge=1)
+    budget: float = Field(0.01, gt=0, le=1)
+    conv_lora: Literal["balanced-2d", "channel", "none"] = "balanced-2d"
+    bias: bool = True
+    norm: bool = False
+    preconditioning: bool = True
+    train_base: bool = True
+
+
+class FLoRALOptions(FLoRALSizes, MethodOptions):
+    """FLoRAL and Ensemble: ``optimal_routing`` fixes each client's π to its ground-truth
+    cluster (the π* rows of Tables 1 and 3) instead of learning θ."""
+
+    optimal_routing: bool = False
+
+
+class LocalAdaptorOptions(FLoRALSizes, MethodOptions):
+    """Local Adaptor: one private adaptor per client on a shared base."""

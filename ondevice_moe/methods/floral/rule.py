@@ -1,0 +1,49 @@
+"""FLoRAL's server rule: Alg. 1 lines 11–12.
+
+The base ``u`` is averaged with weights ``N^k`` (the federation's weighting),
+and each expert ``c`` with weights ``π_c^k · N^k``, ``π^k`` being the mixture
+client ``k`` sent with its update::
+
+    a_c ← Σ_k π_c^k N^k a_c^k / Σ_k π_c^k N^k
+
+(the authors' ``FloralAvg`` and ``EnsembleAvg`` weigh the same way:
+``p(k | c) ∝ p(c | k) p(k)``). An expert's tensors are named after it
+(``…shared_<c>…``), so the weight of a tensor follows from its name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ondevice_moe.federation.aggregation import Update, Weighting, example_weighting
+from ondevice_moe.federation.rules import ServerRule
+
+
+def expert_index(name: str) -> int | None:
+    """``c`` for a tensor of shared expert ``shared_<c>``, else ``None``."""
+    for part in name.split("."):
+        if part.startswith("shared_") and part[len("shared_"):].isdigit():
+            return int(part[len("shared_"):])
+    return None
+
+
+def mixture_weighting(fallback: Weighting) -> Weighting:
+    """``π_c^k ×`` the fallback weight for expert ``c``'s tensors; the fallback alone for the rest."""
+
+    def weight(update: Update, name: str) -> float:
+        index = expert_index(name)
+        if index is None or not update.mixture:
+            return fallback(update, name)
+        return update.mixture[index] * fallback(update, name)
+
+    return weight
+
+
+@dataclass(frozen=True)
+class MixtureRule(ServerRule):
+    """FedAvg of the base by ``N^k``, of each expert ``c`` by ``π_c^k N^k`` (FLoRAL Alg. 1)."""
+
+    weighting: str = "num_examples"
+
+    def weights(self) -> Weighting:
+        return mixture_weighting(example_weighting(self.weighting))
