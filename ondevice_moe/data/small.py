@@ -8,7 +8,11 @@
   App. G.1 writes ``N(0, 1/√d_in)``, which we read as the standard deviation
   ``1/√d_in``). Each client holds ``N^k ≈ 0.25 d`` (linear, ``d = d_y d_x``)
   or ``0.5 d`` (MLP, ``d = d_h d_x + d_y d_h``) training examples.
-  The paper gives no sizes: we use ``d_x = d_y = d_h = 10``, rank ``r = 2``, ``α = 1``.
+  The paper gives no sizes: we use ``d_x = d_y = d_h = 10``, and the rank
+  ``r = 1`` and ``α = 2`` of the authors' code (zeligism/FLoRAL
+  ``conf/task/synthetic_linear.yaml``: ``rank: 1``, ``uv_constant: 2.0``),
+  whose outputs are ``d_y = 3`` (linear) and 1 (MLP) and whose hidden layer
+  has a bias; eq. (44) has no ``α``, and neither has our MLP task.
 * ``fedsoft-10-90`` / ``-30-70`` / ``-linear`` / ``-random`` — FedSoft §5:
   sources ``y = ⟨x, θ_s⟩ + ε`` with ``θ_s ~ N(0, σ₀² I_10)``, ``σ₀ = 10``,
   ``x ~ N(0, I_10)``, ``ε ~ N(0, 1)``; client ``k`` holds ``n_k ~ U{100..200}``
@@ -42,8 +46,8 @@ from ondevice_moe.data.partition import dirichlet_partition, partition_by_propor
 from ondevice_moe.data.tasks import TASKS, TaskSpec, fixed_split, get_task
 from ondevice_moe.errors import UserError
 
-FLORAL_DIMS = {"x": 10, "y": 10, "hidden": 10, "rank": 2}
-FLORAL_ALPHA = 1.0
+FLORAL_DIMS = {"x": 10, "y": 10, "hidden": 10, "rank": 1}
+FLORAL_ALPHA = 2.0
 FEDSOFT_SIGMA0 = 10.0
 FEDSOFT_SIZES = (100, 200)
 REDUCED_MINIMUM = 10
