@@ -219,3 +219,21 @@ def test_floral_ends_below_fedavg_on_two_clusters_of_linear_maps(tmp_path):
             pis[record["user"]] = record["pi_0"]
     # clients 0 and 2 share a cluster, 1 and 3 the other: their mixtures lean apart
     assert min(pis["client_0"], pis["client_2"]) > max(pis["client_1"], pis["client_3"]), pis
+
+
+def test_floral_on_a_hugging_face_model_adapts_every_layer_of_its_blocks(tiny_model, tokens):
+    from transformers.pytorch_utils import Conv1D
+
+    kinds = AdaptorKinds(budget=0.05, norm=True)
+    layout = Layout((ExpertSpec("layers", "shared"),) * 2, RouterSpec("client-mixture"), "every-layer",
+                    adaptor_kinds=kinds)
+    model = attach_layout(tiny_model, layout, seed=0)
+    torch.testing.assert_close(model(tokens).logits, tiny_model(tokens).logits)
+    linears = [m for m in tiny_model.modules() if isinstance(m, nn.Linear | Conv1D)]
+    adapted = [m.base for m in model.modules() if isinstance(m, AdaptedLayer)]
+    head = 1  # the language-model head sits outside the blocks and keeps its weights
+    assert sum(isinstance(m, nn.Linear | Conv1D) for m in adapted) == len(linears) - head
+    assert any(type(m).__name__.endswith(("LayerNorm", "RMSNorm")) for m in adapted)
+    trainable = [name for name, param in model.named_parameters() if param.requires_grad]
+    assert "router.theta" in trainable
+    assert all(".adapters.shared_" in name or name == "router.theta" for name in trainable)
