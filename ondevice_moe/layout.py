@@ -274,7 +274,7 @@ def attach_layout(base_model: nn.Module, layout: Layout, *, seed: int, user: int
     model = frozen_copy(base_model, own)
     device = next(base_model.parameters()).device
     if layout.mixing in CLIENT_LEVEL_KINDS:
-        _attach_client_mixture(model, layout, _ExpertBuilder(layout, getattr(model, "config", None), seed, user))
+        _attach_client_mixture(model, layout, _ExpertBuilder(layout, getattr(model, "config", None), seed, user), own)
         _move_experts(model, device)
         return model
     sites, blocks = sites_of(model)
@@ -423,9 +423,10 @@ def _attach_block_mixture(block: nn.Module, sites: Sites, layout: Layout, builde
         block.register_forward_pre_hook(route_block_input, with_kwargs=True)
 
 
-def _attach_client_mixture(model: nn.Module, layout: Layout, builder: _ExpertBuilder) -> None:
+def _attach_client_mixture(model: nn.Module, layout: Layout, builder: _ExpertBuilder, own: tuple[str, ...]) -> None:
     """FLoRAL: one client-level router (``model.router``, private) and, per expert, adaptors on
-    every layer (``every-layer``) or a whole copy of the network (``ensemble``)."""
+    every layer (``every-layer``; of a Hugging Face model, every layer of its blocks and of the
+    task head ``own``) or a whole copy of the network (``ensemble``)."""
     names = layout.expert_names
     spec = layout.router
     router = ClientMixtureRouter(len(names), spec.optimal) if spec.kind == "client-mixture" else None
@@ -439,7 +440,7 @@ def _attach_client_mixture(model: nn.Module, layout: Layout, builder: _ExpertBui
                             "use every-layer adaptors on Hugging Face models")
         model.net = EnsembleNet({name: _fresh_copy(net, builder, name) for name in names}, gates)
         return
-    for path, layer in _adaptable_layers(model):
+    for path, layer in _adaptable_layers(model, own):
         adapted = None
         for name, gate in zip(names, gates, strict=True):
             adaptor = layer_adaptor(layer, layout.adaptor_kinds, builder._generator(0, path, name))
@@ -456,13 +457,15 @@ def _always_on() -> torch.Tensor:
     return torch.ones(())
 
 
-def _adaptable_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The layers FLoRAL adapts, with their paths: every leaf layer of a small model; inside the
-    transformer blocks of a Hugging Face model (embeddings and task heads keep their own weights)."""
+def _adaptable_layers(model: nn.Module, own: tuple[str, ...] = ()) -> list[tuple[str, nn.Module]]:
+    """The layers FLoRAL adapts, with their paths: every leaf layer of a small model; of a Hugging
+    Face model, those inside its transformer blocks and its task head ``own`` (the embeddings and
+    the language-model head keep their weights)."""
     if hasattr(model, "config"):
         _, blocks = sites_of(model)
         prefix = next(name for name, module in model.named_modules() if module is blocks)
-        scope = [(f"{prefix}.{name}", module) for name, module in blocks.named_modules() if name]
+        scope = [(name, module) for name, module in model.named_modules()
+                 if name.startswith(prefix + ".") or any(name == p or name.startswith(p + ".") for p in own)]
     else:
         scope = [(name, module) for name, module in model.named_modules() if name]
     return [(path, module) for path, module in scope if not list(module.children())]

@@ -127,6 +127,8 @@ class TaskSection(_Section):
     """What the clients learn, one of three kinds of task:
 
     * a registered text task dealt to ``clients`` by Dirichlet(α) label skew (Hermes §5.1);
+      ``clusters`` = C shifts the labels of client ``k``'s cluster ``c = k mod C`` to
+      ``(y + c) mod L`` (FLoRAL's label-shift concept shift);
     * a small vector or image task (``floral-linear``, ``fedsoft-10-90``, ``digits-rotate``, ...):
       ``clients`` and ``clusters`` default to the paper's K and C, ``data_fraction: 0.05`` is FLoRAL's
       Reduced variant and ``dirichlet_alpha`` skews ``digits-dirichlet``;
@@ -186,8 +188,12 @@ class TaskSection(_Section):
                 check_small_options(task, self.clients, self.clusters, self.data_fraction)
         except UserError as error:
             raise ValueError(f"{error.problem}; {error.fix}") from None
-        if task.is_text and small_keys:
-            raise ValueError(f"{small_keys} only apply to the small tasks, not to '{self.name}'")
+        if task.is_text and "data_fraction" in small_keys:
+            raise ValueError(f"data_fraction only applies to the small tasks, not to '{self.name}'")
+        if task.is_text and self.clusters is not None and (task.is_regression or self.clusters > task.num_labels):
+            raise ValueError(f"clusters={self.clusters} cannot shift the labels of '{self.name}' "
+                             f"({task.num_labels} label(s)): use 2 to {task.num_labels} clusters on a "
+                             "classification task")
         return self
 
     def spec(self) -> Any:

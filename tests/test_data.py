@@ -98,3 +98,15 @@ def test_every_dirichlet_client_gets_test_examples(tokenizer):
                                 max_test_examples=120)
     assert all(len(client) > 0 for client in task.test)
     assert sum(len(client) for client in task.test) == 120
+
+
+def test_label_shift_clusters_shift_each_clusters_labels(tokenizer):
+    plain = build_federated_task("bbc-news", 4, 100.0, tokenizer, 16, seed=0, max_train_examples=200,
+                                 max_test_examples=100)
+    shifted = build_federated_task("bbc-news", 4, 100.0, tokenizer, 16, seed=0, max_train_examples=200,
+                                   max_test_examples=100, clusters=2)
+    for client in range(4):
+        for split in ("train", "test"):
+            before, after = getattr(plain, split)[client], getattr(shifted, split)[client]
+            assert torch.equal(before.input_ids, after.input_ids)
+            assert torch.equal(after.labels, (before.labels + client % 2) % 5), (client, split)

@@ -237,3 +237,16 @@ def test_floral_on_a_hugging_face_model_adapts_every_layer_of_its_blocks(tiny_mo
     trainable = [name for name, param in model.named_parameters() if param.requires_grad]
     assert "router.theta" in trainable
     assert all(".adapters.shared_" in name or name == "router.theta" for name in trainable)
+
+
+def test_floral_adapts_a_classifier_head_too():
+    from ondevice_moe.models import load_base_model
+
+    base = load_base_model("tiny-bert", num_labels=3).model
+    layout = Layout((ExpertSpec("layers", "shared"),) * 2, RouterSpec("client-mixture"), "every-layer",
+                    adaptor_kinds=AdaptorKinds(budget=0.1))
+    heads = dev.head_paths(base)
+    model = attach_layout(base, layout, seed=0, own=heads)
+    assert isinstance(model.classifier, AdaptedLayer)
+    tokens = torch.randint(5, 100, (2, 8), generator=_generator())
+    torch.testing.assert_close(model(input_ids=tokens).logits, base(input_ids=tokens).logits)

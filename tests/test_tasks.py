@@ -243,7 +243,9 @@ def test_task_section_reads_user_files_and_small_options(tmp_path):
         ({"name": "sst2", "path": str(path), "labels": ["a", "b"]}, "registered task"),
         ({"name": "movies"}, "unknown task 'movies'"),
         ({"name": "sst2", "labels": ["a", "b"]}, "only apply to your own labelled file"),
-        ({"name": "sst2", "clusters": 2}, "only apply to the small tasks"),
+        ({"name": "sst2", "data_fraction": 0.5}, "only applies to the small tasks"),
+        ({"name": "sst2", "clusters": 3}, "use 2 to 2 clusters"),
+        ({"name": "stsb", "clusters": 2}, "cannot shift the labels"),
         ({"name": "digits-rotate", "clusters": 5}, "1 to 4 clusters"),
         ({"name": "movies", "path": str(path), "labels": ["a"]}, "two distinct label names"),
     ]:

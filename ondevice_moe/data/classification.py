@@ -2,7 +2,10 @@
 Dirichlet label-skew partition (Hermes §5.1), tokenized once per process.
 
 The same label proportions split the training and the test examples, so each
-client is tested on data with its own label skew.
+client is tested on data with its own label skew. With ``clusters`` = C,
+client ``k`` belongs to cluster ``c = k mod C`` and sees every label ``y`` as
+``(y + c) mod L`` in training and test: a concept shift (FLoRAL §6's label
+shift, after Ghosh et al. 2020) that no single model fits.
 """
 
 from __future__ import annotations
@@ -51,8 +54,10 @@ def build_federated_task(
     seed: int,
     max_train_examples: int | None = None,
     max_test_examples: int | None = None,
+    clusters: int | None = None,
 ) -> FederatedTask:
-    """Load a task, partition it over ``num_clients`` by Dirichlet(α) label skew, tokenize."""
+    """Load a task, partition it over ``num_clients`` by Dirichlet(α) label skew, tokenize;
+    with ``clusters``, shift the labels of cluster ``c = k mod clusters`` by ``c``."""
     task = get_task(name)
     train = load_task(name, "train", max_train_examples, seed)
     test = load_task(name, "test", max_test_examples, seed)
@@ -61,11 +66,21 @@ def build_federated_task(
     test_parts = partition_by_proportions(_classes(task, test.labels), proportions, seed)
     _check_test_parts(test_parts, len(test.labels), alpha)
     label_dtype = torch.float32 if task.is_regression else torch.long
+    shifts = [client % clusters if clusters else 0 for client in range(num_clients)]
     return FederatedTask(
         task=task,
-        train=[_tokenize(train.texts, train.labels, rows, tokenizer, max_length, label_dtype) for rows in parts],
-        test=[_tokenize(test.texts, test.labels, rows, tokenizer, max_length, label_dtype) for rows in test_parts],
+        train=[_shifted(_tokenize(train.texts, train.labels, rows, tokenizer, max_length, label_dtype), shift,
+                        task.num_labels) for rows, shift in zip(parts, shifts, strict=True)],
+        test=[_shifted(_tokenize(test.texts, test.labels, rows, tokenizer, max_length, label_dtype), shift,
+                       task.num_labels) for rows, shift in zip(test_parts, shifts, strict=True)],
     )
+
+
+def _shifted(examples: ClientExamples, shift: int, num_labels: int) -> ClientExamples:
+    """The examples with every label ``y`` read as ``(y + shift) mod num_labels``."""
+    if shift:
+        examples.labels = (examples.labels + shift) % num_labels
+    return examples
 
 
 def _check_test_parts(parts: list[list[int]], total: int, alpha: float) -> None:

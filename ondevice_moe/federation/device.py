@@ -60,7 +60,7 @@ def federated_task(job: Job) -> FederatedTask | SmallFederatedTask:
         if spec.is_text:
             _TASKS[key] = build_federated_task(
                 spec, task.clients, task.dirichlet_alpha, job_base_model(job).tokenizer, task.max_length,
-                job.recipe.split_seed, task.max_train_examples, task.max_test_examples)
+                job.recipe.split_seed, task.max_train_examples, task.max_test_examples, task.clusters)
         else:
             _TASKS[key] = build_small_task(task.name, task.clients, job.recipe.split_seed, task.clusters,
                                            task.dirichlet_alpha, task.data_fraction)
