@@ -33,6 +33,8 @@ from pathlib import Path
 
 from scipy import stats
 
+from ondevice_moe.report import format_bytes
+
 SIGNIFICANCE = 0.05
 
 
@@ -66,7 +68,7 @@ def seed_table(summaries: list[dict]) -> str:
     language = keys != ["score"]
     header = ["method", *(f"{k}: mean (std) over {runs} run(s)" for k in keys),
               *(f"{k}: std over users" for k in keys),
-              *(f"{k}: NLL s.e. per user" for k in keys if language), "upload / round (MiB)"]
+              *(f"{k}: NLL s.e. per user" for k in keys if language), "upload / round"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for method in _common_methods(summaries):
         entries = [s["methods"][method] for s in summaries]
@@ -74,7 +76,7 @@ def seed_table(summaries: list[dict]) -> str:
         cells += [f"{statistics.fmean(e[f'std_{k}'] for e in entries):.2f}" for k in keys]
         if language:
             cells += [_mean_standard_error(entries, k) for k in keys]
-        cells.append(f"{statistics.fmean(e['upload_bytes_per_round'] for e in entries) / 2**20:.2f}")
+        cells.append(format_bytes(statistics.fmean(e["upload_bytes_per_round"] for e in entries)))
         lines.append(f"| {method} | {' | '.join(cells)} |")
     return "\n".join(lines)
 
