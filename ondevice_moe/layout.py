@@ -115,7 +115,12 @@ SITES: dict[str, Sites] = {
 
 def sites_of(model: nn.Module) -> tuple[Sites, nn.ModuleList]:
     """The sites of ``model``'s architecture and its list of transformer blocks."""
-    model_type = getattr(model.config, "model_type", None)
+    config = getattr(model, "config", None)
+    if config is None:
+        raise UserError(f"{type(model).__name__} is a small model without transformer blocks",
+                        "put experts on its layers with `mixing: every-layer` (kind `layers`), or use "
+                        "a GPT-2, LLaMA, BERT or RoBERTa model")
+    model_type = getattr(config, "model_type", None)
     sites = SITES.get(model_type)
     if sites is None:
         raise UserError(f"model type {model_type!r} has no expert sites", f"use one of {sorted(SITES)}")

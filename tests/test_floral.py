@@ -252,3 +252,26 @@ def test_floral_adapts_a_classifier_head_too():
     assert isinstance(model.classifier, AdaptedLayer)
     tokens = torch.randint(5, 100, (2, 8), generator=_generator())
     torch.testing.assert_close(model(input_ids=tokens).logits, base(input_ids=tokens).logits)
+
+
+def test_the_spelled_out_mixture_holds_a_private_adaptor_beside_a_shared_one():
+    raw = yaml.safe_load(TINY_FLORAL.read_text())
+    raw["methods"] = [{"name": "mixture", "experts": [{"kind": "layers", "role": "shared"},
+                                                      {"kind": "layers", "role": "private"}],
+                       "router": "client-mixture", "mixing": "every-layer", "routers_train": "joint",
+                       "aggregation": "mixture-weighted", "budget": 0.1}]
+    job = Job(validate_recipe(raw), 0, Path("."))
+    assert isinstance(job.server_rule, MixtureRule)
+    trainer = dev.restore_trainer(job, 0, None, RecordDict())
+    dev.run_local_procedure(job, 0, trainer, seed=0)
+    tensors, records = dev.upload(job, trainer)
+    assert any("shared_0" in name for name in tensors) and not any("private_0" in name for name in tensors)
+    assert any("private_0" in name for name, _ in trainer.model.named_parameters())
+    assert len(records["mixture"]["pi"]) == 2
+
+
+def test_transformer_sites_on_a_small_model_are_refused_with_the_fix():
+    raw = yaml.safe_load(TINY_FLORAL.read_text())
+    raw["methods"] = [{"name": "mixture", "experts": [{"kind": "lora"}], "router": "none", "mixing": "block"}]
+    with pytest.raises(UserError, match="mixing: every-layer"):
+        dev.build_model(Job(validate_recipe(raw), 0, Path(".")), 0)

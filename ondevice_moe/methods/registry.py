@@ -74,7 +74,7 @@ METHODS: dict[str, MethodSpec] = {
     "fed-adapter": MethodSpec(HermesBaselineOptions, hermes_baselines.single_kind("adapter"), _TEXT, "hermes"),
     "fed-prefix": MethodSpec(HermesBaselineOptions, hermes_baselines.single_kind("prefix"), _TEXT, "hermes"),
     "fed-unipelt": MethodSpec(HermesBaselineOptions, hermes_baselines.fed_unipelt, _TEXT, "hermes"),
-    "mixture": MethodSpec(MixtureOptions, mixture, _TEXT),
+    "mixture": MethodSpec(MixtureOptions, mixture, _ANY),
     "floral": MethodSpec(FLoRALOptions, floral_methods.floral, _ANY, "floral"),
     "ensemble": MethodSpec(FLoRALOptions, floral_methods.ensemble, frozenset({SMALL}), "floral"),
     "local-adaptor": MethodSpec(LocalAdaptorOptions, floral_methods.local_adaptor, _ANY, "floral"),
