@@ -50,7 +50,13 @@ def load_summaries(runs: list[Path]) -> list[dict]:
 
 def _spread(values: list[float]) -> str:
     deviation = statistics.stdev(values) if len(values) > 1 else 0.0
-    return f"{statistics.fmean(values):.2f} ({deviation:.2f})"
+    return f"{_number(statistics.fmean(values))} ({_number(deviation)})"
+
+
+def _number(value: float, sign: str = "") -> str:
+    """Two decimals, or three significant digits for values that two decimals would show as zero
+    (the near-zero test losses of FLoRAL's synthetic tasks)."""
+    return f"{value:{sign}.2e}" if value != 0 and abs(value) < 0.005 else f"{value:{sign}.2f}"
 
 
 def _common_methods(summaries: list[dict]) -> list[str]:
@@ -73,7 +79,7 @@ def seed_table(summaries: list[dict]) -> str:
     for method in _common_methods(summaries):
         entries = [s["methods"][method] for s in summaries]
         cells = [_spread([e[f"mean_{k}"] for e in entries]) for k in keys]
-        cells += [f"{statistics.fmean(e[f'std_{k}'] for e in entries):.2f}" for k in keys]
+        cells += [_number(statistics.fmean(e[f"std_{k}"] for e in entries)) for k in keys]
         if language:
             cells += [_mean_standard_error(entries, k) for k in keys]
         cells.append(format_bytes(statistics.fmean(e["upload_bytes_per_round"] for e in entries)))
@@ -126,8 +132,8 @@ def paired_table(summaries: list[dict], reference: str) -> str:
             differences = paired_differences(summaries, method, reference, key)
             mean, error, t_p, wilcoxon_p = paired_test(differences)
             larger = t_p < SIGNIFICANCE and wilcoxon_p < SIGNIFICANCE
-            lines.append(f"| {method} | {key} | {mean:+.2f} ({error:.2f}) | {len(differences)} | {t_p:.3g} | "
-                         f"{wilcoxon_p:.3g} | {'yes' if larger else 'no'} |")
+            lines.append(f"| {method} | {key} | {_number(mean, '+')} ({_number(error)}) | {len(differences)} | "
+                         f"{t_p:.3g} | {wilcoxon_p:.3g} | {'yes' if larger else 'no'} |")
     return "\n".join(lines)
 
 
