@@ -3,7 +3,8 @@ and a paired comparison of every method against one of them.
 
 Usage: python eval/seed_table.py RUN [RUN ...] [--against METHOD]
 
-Each RUN is a run folder with a ``summary.json``. For every method found in
+Each RUN is a run folder with a ``summary.json``, or several folders of one
+seed joined by ``+`` (``runs/base-s0+runs/ablations-s0``: their methods side by side). For every method found in
 all runs it prints, over runs, the mean (std) of the users' mean value —
 test perplexity in and out of distribution for language modelling, the task
 score for classification — its mean std over users, and the upload per round.
@@ -39,13 +40,25 @@ SIGNIFICANCE = 0.05
 
 
 def load_summaries(runs: list[Path]) -> list[dict]:
+    """One summary per RUN; ``A+B`` joins the methods of run folders of one seed (the same users)."""
     summaries = []
     for run in runs:
-        path = run / "summary.json"
-        if not path.is_file():
-            raise SystemExit(f"error: {path} does not exist; fix: pass run folders of finished runs")
-        summaries.append(json.loads(path.read_text(encoding="utf-8")))
+        parts = [_read_summary(Path(part)) for part in str(run).split("+")]
+        joined = {**parts[0], "methods": {}}
+        for part in parts:
+            if part["users"] != parts[0]["users"]:
+                raise SystemExit(f"error: the run folders in {run} have different users; fix: join only "
+                                 "folders of one recipe and seed")
+            joined["methods"].update({m: v for m, v in part["methods"].items() if m not in joined["methods"]})
+        summaries.append(joined)
     return summaries
+
+
+def _read_summary(run: Path) -> dict:
+    path = run / "summary.json"
+    if not path.is_file():
+        raise SystemExit(f"error: {path} does not exist; fix: pass run folders of finished runs")
+    return json.loads(path.read_text(encoding="utf-8"))
 
 
 def _spread(values: list[float]) -> str:
@@ -139,7 +152,8 @@ def paired_table(summaries: list[dict], reference: str) -> str:
 
 def main(argv: list[str]) -> None:
     options = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    options.add_argument("runs", nargs="+", type=Path, help="run folders holding summary.json")
+    options.add_argument("runs", nargs="+", type=Path,
+                         help="run folders holding summary.json; A+B joins folders of one seed")
     options.add_argument("--against", metavar="METHOD", help="add the paired comparison against METHOD")
     args = options.parse_args(argv)
     summaries = load_summaries(args.runs)

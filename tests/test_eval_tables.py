@@ -57,3 +57,22 @@ def test_paired_table_tells_a_consistent_gap_from_noise():
 def test_paired_table_names_a_missing_reference():
     with pytest.raises(SystemExit, match="not in every run"):
         seed_table.paired_table([_summary(0)], "fedavg")
+
+
+def test_folders_of_one_seed_joined_with_plus_stand_side_by_side(tmp_path):
+    import json
+
+    full = _summary(0)
+    first, second = tmp_path / "base", tmp_path / "more"
+    for folder, names in ((first, ["base", "better"]), (second, ["same"])):
+        folder.mkdir()
+        part = {**full, "methods": {name: full["methods"][name] for name in names}}
+        (folder / "summary.json").write_text(json.dumps(part))
+    [joined] = seed_table.load_summaries([Path(f"{first}+{second}")])
+    assert list(joined["methods"]) == ["base", "better", "same"]
+    assert joined["methods"]["same"] == full["methods"]["same"]
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "summary.json").write_text(json.dumps({**full, "users": ["x"]}))
+    with pytest.raises(SystemExit, match="different users"):
+        seed_table.load_summaries([Path(f"{first}+{other}")])
