@@ -18,9 +18,9 @@ def tiny_run(tmp_path_factory):
     received: list[str] = []
     original = strategy.Update
 
-    def recording_update(device, tensors, num_examples, usage):
+    def recording_update(device, tensors, num_examples, *records):
         received.extend(tensors)
-        return original(device, tensors, num_examples, usage)
+        return original(device, tensors, num_examples, *records)
 
     strategy.Update = recording_update
     try:
