@@ -76,17 +76,27 @@ class DeviceTrainer:
         self.trainable = [(n, p) for n, p in self.model.named_parameters()
                           if p.requires_grad and self.method.is_trainable(n)]
         self.hermes_routers = hermes_routers(self.model)
-        expert_params = self.expert_parameters()
+        groups = [{"params": self.expert_parameters()}]
         if self.method.procedure.routers == "joint":
-            expert_params += self.router_parameters()
-        if expert_params:
-            self.expert_optimizer = self._optimizer(expert_params, self.config.lr, self.config.weight_decay)
+            self._add_joint_routers(groups)
+        groups = [group for group in groups if group["params"]]
+        if groups:
+            self.expert_optimizer = self._optimizer(groups, self.config.lr, self.config.weight_decay)
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.expert_optimizer, self._schedule())
         if self.method.procedure.routers == "bilevel" and self.router_parameters():
             self.router_optimizer = self._optimizer(self.router_parameters(), self.config.router_lr,
                                                     self.config.router_weight_decay)
 
-    def _optimizer(self, params: list[nn.Parameter], lr: float, weight_decay: float) -> torch.optim.Optimizer:
+    def _add_joint_routers(self, groups: list[dict]) -> None:
+        """Routers trained with the experts join the experts' group, or get their own rate."""
+        rate = self.method.procedure.joint_router_lr
+        if rate is None:
+            groups[0]["params"] += self.router_parameters()
+        else:
+            groups.append({"params": self.router_parameters(), "lr": rate,
+                           "weight_decay": self.config.router_weight_decay})
+
+    def _optimizer(self, params: list, lr: float, weight_decay: float) -> torch.optim.Optimizer:
         if self.config.optimizer == "sgd":
             return torch.optim.SGD(params, lr=lr, weight_decay=weight_decay)
         return torch.optim.AdamW(params, lr=lr, betas=self.config.betas, weight_decay=weight_decay)

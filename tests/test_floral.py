@@ -25,6 +25,7 @@ from ondevice_moe.methods.floral.rule import MixtureRule
 from ondevice_moe.methods.registry import method_for
 from ondevice_moe.models.small import small_model
 from ondevice_moe.recipe import load_recipe, validate_recipe
+from ondevice_moe.training import DeviceTrainer, TrainingConfig
 
 TINY_FLORAL = Path(__file__).parent / "recipes" / "tiny-floral.yaml"
 
@@ -190,6 +191,23 @@ def test_theta_stays_on_the_device_and_pi_travels_with_the_update():
     assert records["mixture"]["pi"] == pytest.approx(pi)
     assert pi != pytest.approx([0.5, 0.5], abs=1e-6), "θ trains with the model"
     assert metrics["pi_0"] == pytest.approx(pi[0])
+
+
+@pytest.mark.parametrize("router_lr", [None, 0.5])
+def test_theta_trains_at_its_own_rate_when_given_one(router_lr):
+    method = method_for("floral", 2, clusters=2, router_lr=router_lr)
+    net = small_model("mlp", (6,), 3, hidden=(5,))
+    model = attach_layout(net, method.layouts[0], seed=0)
+    trainer = DeviceTrainer(model, method, TrainingConfig(lr=0.01, lr_schedule="constant", optimizer="sgd",
+                                                          grad_clip=None))
+    theta = model.router.theta
+    batch = {"inputs": torch.randn(8, 6, generator=_generator()), "labels": torch.arange(8) % 3}
+    trainer.expert_step(batch)  # fresh adaptors do nothing, so θ has no gradient until they have trained
+    loss = nn.functional.cross_entropy(model(inputs=batch["inputs"]).logits, batch["labels"])
+    gradient = torch.autograd.grad(loss, theta)[0]
+    assert gradient.abs().sum() > 0
+    trainer.expert_step(batch)
+    torch.testing.assert_close(theta.detach(), -(router_lr or 0.01) * gradient, atol=1e-6, rtol=1e-4)
 
 
 def test_floral_without_clusters_says_how_to_set_them():

@@ -74,7 +74,9 @@ class Procedure:
     ``pruning_strength``, and ranks the server cut held at zero
     (:mod:`ondevice_moe.federation.rank_pruning`). ``lora_preconditioning``: every
     LoRA and ConvLoRA gradient is preconditioned before the step (FLoRAL App. D,
-    :mod:`ondevice_moe.experts.preconditioning`).
+    :mod:`ondevice_moe.experts.preconditioning`). ``joint_router_lr``: joint routers
+    train in their own parameter group at this rate (FLoRAL's code trains θ at
+    0.1 beside weights at 0.03 on the synthetic MLP); ``None``: at the experts' rate.
     """
 
     routers: Literal["none", "joint", "bilevel"] = "none"
@@ -85,6 +87,7 @@ class Procedure:
     pruning_lambda: float = 0.0
     pruning_strength: float = 0.99
     lora_preconditioning: bool = False
+    joint_router_lr: float | None = None
 
 
 @dataclass(frozen=True)

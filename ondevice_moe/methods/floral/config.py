@@ -21,7 +21,9 @@ class FLoRALSizes(BaseModel):
     normalisation adaptors (§3.2, App. F.2; the authors' code turns norm adaptors off);
     ``preconditioning``: App. D's LoRA preconditioning, on in the paper's experiments;
     ``train_base``: train the base ``u`` with the adaptors and average it (Alg. 1 — the
-    small models); ``false`` keeps a Hugging Face base frozen, as PEFT does."""
+    small models); ``false`` keeps a Hugging Face base frozen, as PEFT does;
+    ``router_lr``: θ's own learning rate (the authors' configs: 0.1 beside weights at
+    0.03 on the synthetic MLP and CIFAR); unset, θ trains at the weights' rate."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -32,6 +34,7 @@ class FLoRALSizes(BaseModel):
     norm: bool = False
     preconditioning: bool = True
     train_base: bool = True
+    router_lr: float | None = Field(None, gt=0)
 
 
 class FLoRALOptions(FLoRALSizes, MethodOptions):

@@ -55,7 +55,7 @@ def floral(options: FLoRALOptions, context: MethodContext) -> Method:
     layouts = tuple(Layout(experts, router, "every-layer", adaptor_kinds=_kinds(options))
                     for router in _routers(options, context, clusters))
     procedure = Procedure(routers="none" if options.optimal_routing else "joint", full_finetune=options.train_base,
-                          lora_preconditioning=options.preconditioning)
+                          lora_preconditioning=options.preconditioning, joint_router_lr=options.router_lr)
     return Method(f"floral-{options.budget * 100:g}pct{_suffix(options)}", layouts, procedure,
                   MixtureRule(context.weighting))
 
@@ -65,7 +65,8 @@ def ensemble(options: FLoRALOptions, context: MethodContext) -> Method:
     clusters = _clusters(options, context)
     experts = tuple(ExpertSpec("model", "shared") for _ in range(clusters))
     layouts = tuple(Layout(experts, router, "ensemble") for router in _routers(options, context, clusters))
-    procedure = Procedure(routers="none" if options.optimal_routing else "joint", full_finetune=True)
+    procedure = Procedure(routers="none" if options.optimal_routing else "joint", full_finetune=True,
+                          joint_router_lr=options.router_lr)
     return Method(f"ensemble{_suffix(options)}", layouts, procedure, MixtureRule(context.weighting))
 
 
