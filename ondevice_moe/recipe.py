@@ -19,6 +19,7 @@ from ondevice_moe.data.tasks import TASKS
 from ondevice_moe.errors import UserError
 from ondevice_moe.methods.base import Method, MethodContext, MethodOptions
 from ondevice_moe.methods.comigs.config import LoRASizes
+from ondevice_moe.methods.fedsoft.config import FedSoftSizes
 from ondevice_moe.methods.floral.config import FLoRALSizes
 from ondevice_moe.methods.hermes.config import HermesSizes
 from ondevice_moe.methods.registry import CLASSIFICATION, LANGUAGE, METHODS, SMALL, build_method, method_options
@@ -315,6 +316,7 @@ class Recipe(_Section):
     experts: LoRASizes = LoRASizes()
     hermes: HermesSizes = HermesSizes()
     floral: FLoRALSizes = FLoRALSizes()
+    fedsoft: FedSoftSizes = FedSoftSizes()
     data: DataSection | None = None
     task: TaskSection | None = None
     federation: FederationSection = FederationSection()
@@ -369,7 +371,8 @@ class Recipe(_Section):
         clusters = None
         if self.task is not None and self.task.path is None:
             clusters = self.task.clusters or self.task.spec().clusters
-        return MethodContext(num_users=len(self.user_names), weighting=self.federation.weighting, clusters=clusters)
+        return MethodContext(num_users=len(self.user_names), weighting=self.federation.weighting, clusters=clusters,
+                             seed=self.seed)
 
     def method(self, index: int) -> Method:
         """Entry ``index`` resolved for the recipe's devices."""

@@ -48,11 +48,29 @@ class MethodContext:
     """What a method is built from besides its own options: the number of
     devices, the federation's weighting of device updates and the task's
     ground-truth clusters (``None`` where it has none; client ``k`` belongs to
-    cluster ``k mod C``, as :mod:`ondevice_moe.data.small` deals them)."""
+    cluster ``k mod C``, as :mod:`ondevice_moe.data.small` deals them) and the
+    recipe's seed (FedSoft's client selection draws from it)."""
 
     num_users: int
     weighting: str = "uniform"
     clusters: int | None = None
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class CentreProcedure:
+    """A round against the server's cluster centres (:mod:`ondevice_moe.methods.fedsoft`).
+
+    ``soft`` (FedSoft Alg. 1): the device trains its own persistent model on eq. (4),
+    anchored to every centre by its importance weights, re-estimated every
+    ``estimation_interval`` rounds with floor ``importance_floor``; ``proximal_lambda``
+    is λ. ``hard`` (IFCA): the device trains the centre with the lowest loss on its data.
+    """
+
+    assignment: Literal["soft", "hard"]
+    proximal_lambda: float = 0.0
+    estimation_interval: int = 1
+    importance_floor: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -77,6 +95,7 @@ class Procedure:
     :mod:`ondevice_moe.experts.preconditioning`). ``joint_router_lr``: joint routers
     train in their own parameter group at this rate (FLoRAL's code trains θ at
     0.1 beside weights at 0.03 on the synthetic MLP); ``None``: at the experts' rate.
+    ``centres``: the round starts from the server's cluster centres (FedSoft, IFCA).
     """
 
     routers: Literal["none", "joint", "bilevel"] = "none"
@@ -88,6 +107,7 @@ class Procedure:
     pruning_strength: float = 0.99
     lora_preconditioning: bool = False
     joint_router_lr: float | None = None
+    centres: CentreProcedure | None = None
 
 
 @dataclass(frozen=True)

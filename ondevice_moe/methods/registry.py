@@ -27,6 +27,8 @@ from ondevice_moe.methods.comigs.config import (
     PCLOptions,
 )
 from ondevice_moe.methods.comigs.method import comigs
+from ondevice_moe.methods.fedsoft import method as fedsoft_methods
+from ondevice_moe.methods.fedsoft.config import FedSoftOptions
 from ondevice_moe.methods.floral import method as floral_methods
 from ondevice_moe.methods.floral.config import FLoRALOptions, LocalAdaptorOptions
 from ondevice_moe.methods.hermes import baselines as hermes_baselines
@@ -52,6 +54,7 @@ class MethodSpec:
 _LM = frozenset({LANGUAGE})
 _TEXT = frozenset({LANGUAGE, CLASSIFICATION})
 _ANY = frozenset({LANGUAGE, CLASSIFICATION, SMALL})
+_SMALL = frozenset({SMALL})
 
 METHODS: dict[str, MethodSpec] = {
     "pretrained": MethodSpec(LoRABaselineOptions, comigs_baselines.pretrained, _ANY, "experts"),
@@ -76,8 +79,10 @@ METHODS: dict[str, MethodSpec] = {
     "fed-unipelt": MethodSpec(HermesBaselineOptions, hermes_baselines.fed_unipelt, _TEXT, "hermes"),
     "mixture": MethodSpec(MixtureOptions, mixture, _ANY),
     "floral": MethodSpec(FLoRALOptions, floral_methods.floral, _ANY, "floral"),
-    "ensemble": MethodSpec(FLoRALOptions, floral_methods.ensemble, frozenset({SMALL}), "floral"),
+    "ensemble": MethodSpec(FLoRALOptions, floral_methods.ensemble, _SMALL, "floral"),
     "local-adaptor": MethodSpec(LocalAdaptorOptions, floral_methods.local_adaptor, _ANY, "floral"),
+    "fedsoft": MethodSpec(FedSoftOptions, fedsoft_methods.fedsoft, _SMALL, "fedsoft"),
+    "ifca": MethodSpec(FedSoftOptions, fedsoft_methods.ifca, _SMALL, "fedsoft"),
 }
 
 

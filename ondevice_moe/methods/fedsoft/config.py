@@ -1,0 +1,33 @@
+"""Options of FedSoft and IFCA (FedSoft §3–5, App. C).
+
+The recipe's ``fedsoft:`` section sets these for every method of the family;
+an entry may override them (``{name: fedsoft, proximal_lambda: 0, label: local}``).
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ondevice_moe.methods.base import MethodOptions
+
+
+class FedSoftSizes(BaseModel):
+    """``clusters``: S centres (default: the task's sources); ``proximal_lambda``: λ of
+    eq. (4) (App. C: 1.0 on the synthetic data, 0.1 on letters; 0 leaves every client
+    alone — the Local baseline of Table 5); ``estimation_interval``: τ, the rounds an
+    importance estimate is used for (Alg. 1 line 3; §5: 2); ``importance_floor``: σ,
+    the counter smoother of Alg. 1 line 10 (§5: 1e-4); ``selection_size``: K clients
+    drawn per centre with probabilities v_sk (Alg. 1 line 16; §5: 60 of 100), or
+    ``None`` for full participation, ``c_s = Σ_k v_sk w_k`` (§3, after Alg. 1)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    clusters: int | None = Field(None, ge=1)
+    proximal_lambda: float = Field(1.0, ge=0)
+    estimation_interval: int = Field(2, ge=1)
+    importance_floor: float = Field(1e-4, gt=0, lt=1)
+    selection_size: int | None = Field(None, ge=1)
+
+
+class FedSoftOptions(FedSoftSizes, MethodOptions):
+    """FedSoft and IFCA take the same options; IFCA reads only ``clusters``."""

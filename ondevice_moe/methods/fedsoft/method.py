@@ -1,0 +1,58 @@
+"""FedSoft and IFCA as layouts, procedures and server rules (FedSoft §3–5).
+
+* ``fedsoft`` (Alg. 1): every client keeps its own whole model ``w_k`` and its
+  optimiser on the device; each round it minimises eq. (4),
+  ``f_k(w) + (λ/2) Σ_s u_ks ‖w − c_s‖²``, from ``w_k``, with importances ``u_ks``
+  re-estimated every τ rounds, and sends ``w_k`` with ``u_k``; the server folds
+  them into S centres by eq. (6) (:class:`~ondevice_moe.methods.fedsoft.rule.CentreRule`).
+  ``proximal_lambda: 0`` is Table 5's λ = 0: clients train alone (Local).
+* ``ifca`` (Ghosh et al., 2020; FedSoft's baseline): each client trains the centre
+  with the lowest loss on its data and the server averages each centre over the
+  clients that chose it; a client's local model is that centre (§5).
+* FedAvg is ``fed-ft``. FedEM is not built (see ``docs/fedsoft.md``).
+"""
+
+from __future__ import annotations
+
+from ondevice_moe.errors import UserError
+from ondevice_moe.methods.base import CentreProcedure, Method, MethodContext, Procedure, Sharing, same_for_all
+from ondevice_moe.methods.fedsoft.config import FedSoftOptions
+from ondevice_moe.methods.fedsoft.rule import CentreRule
+
+
+def _clusters(options: FedSoftOptions, context: MethodContext) -> int:
+    """S, checked against the clients: each centre needs clients to learn from."""
+    clusters = options.clusters or context.clusters
+    if clusters is None:
+        raise UserError("FedSoft and IFCA need a number of centres S: this task has no sources",
+                        "set `clusters` in the recipe's fedsoft: section (the paper uses S = 2, 4 or 8)")
+    if clusters > context.num_users:
+        raise UserError(f"{clusters} centres but only {context.num_users} clients",
+                        f"use at most {context.num_users} centres (fedsoft.clusters) or more clients (task.clients)")
+    return clusters
+
+
+def _selection(options: FedSoftOptions, context: MethodContext) -> int | None:
+    if options.selection_size is not None and options.selection_size > context.num_users:
+        raise UserError(f"fedsoft.selection_size is {options.selection_size} but there are only "
+                        f"{context.num_users} clients", f"use at most {context.num_users} (the paper: 60 of 100)")
+    return options.selection_size
+
+
+def fedsoft(options: FedSoftOptions, context: MethodContext) -> Method:
+    """FedSoft: proximal local updates from each client's own model, S soft-clustered centres."""
+    clusters = _clusters(options, context)
+    centres = CentreProcedure("soft", options.proximal_lambda, options.estimation_interval, options.importance_floor)
+    return Method("fedsoft", same_for_all(context.num_users, None),
+                  procedure=Procedure(full_finetune=True, centres=centres),
+                  server_rule=CentreRule(clusters=clusters, selection_size=_selection(options, context),
+                                         seed=context.seed),
+                  sharing=Sharing(devices_keep_models=True))
+
+
+def ifca(options: FedSoftOptions, context: MethodContext) -> Method:
+    """IFCA: each client trains its lowest-loss centre; centres are averaged over their clients by n_k."""
+    clusters = _clusters(options, context)
+    return Method("ifca", same_for_all(context.num_users, None),
+                  procedure=Procedure(full_finetune=True, centres=CentreProcedure("hard")),
+                  server_rule=CentreRule(clusters=clusters, seed=context.seed))
