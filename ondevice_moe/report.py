@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import statistics
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -91,6 +92,8 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
 
 # Evaluation record keys → short names in the summary.
 VALUE_KEYS = {"test_ppl_in": "in", "test_ppl_out": "out", "score": "score"}
+# Cluster centres scored on each source's test set (FedSoft, IFCA), kept as they are.
+CENTRE_KEY = re.compile(r"centre_(\d+)_source_(\d+)")
 # Per-user uncertainty kept beside the values in summary.json (not averaged into mean/std).
 ERROR_KEYS = {"test_nll_se_in": "nll_se_in", "test_nll_se_out": "nll_se_out"}
 
@@ -129,6 +132,9 @@ def summarize(records: list[dict[str, Any]], methods: list[str], users: list[str
             statistics.fmean(r.get("bytes_up_not_experts", 0) for r in comm) if comm else 0.0)
         entry["download_bytes_per_round"] = statistics.fmean(r["bytes_down"] for r in comm) if comm else 0.0
         entry["dropped"] = dict(Counter(r["user"] for r in records if r["method"] == method and r["kind"] == "drop"))
+        centres = {key: value for key, value in final[users[0]].items() if CENTRE_KEY.fullmatch(key)}
+        if centres:
+            entry["centres"] = centres
         summary["methods"][method] = entry
     return summary
 
@@ -189,11 +195,40 @@ def write_report(run_dir: Path, recipe_name: str, summary: dict[str, Any], plots
              if summary.get("metric", "perplexity") == "perplexity" else
              "Each client on its own test split; mean (std) over clients.")
     caption = f"{score_title(summary)}. {where}"
-    lines = [f"# {recipe_name}", "", caption, "", markdown_table(summary), "", *_drops_section(summary)]
+    lines = [f"# {recipe_name}", "", caption, "", markdown_table(summary), "", *_centres_section(summary),
+             *_drops_section(summary)]
     lines += [f"![{p.stem}](plots/{p.name})" for p in plots]
     path = run_dir / "report.md"
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return path
+
+
+def centre_table(centres: dict[str, float], lower_is_better: bool) -> str:
+    """A method's centres on each source's test set as markdown: a row per source ``θ_j``,
+    a column per centre ``c_s`` (FedSoft Tables 1 and 3); the best centre per row in bold."""
+    cells: dict[int, dict[int, float]] = {}
+    for key, value in centres.items():
+        centre, source = (int(part) for part in CENTRE_KEY.fullmatch(key).groups())
+        cells.setdefault(source, {})[centre] = value
+    columns = sorted({centre for row in cells.values() for centre in row})
+    lines = ["| source | " + " | ".join(f"c_{c}" for c in columns) + " |", "|" + "---|" * (len(columns) + 1)]
+    for source, row in sorted(cells.items()):
+        values = [row[c] for c in columns]
+        best = min(values) if lower_is_better else max(values)
+        lines.append(f"| θ_{source} | " + " | ".join(f"**{v:.2f}**" if v == best else f"{v:.2f}" for v in values)
+                     + " |")
+    return "\n".join(lines)
+
+
+def _centres_section(summary: dict[str, Any]) -> list[str]:
+    """Each clustered method's centre-by-source table, when a method has centres."""
+    lower = summary.get("metric") in LOWER_IS_BETTER
+    lines = []
+    for name, method in summary["methods"].items():
+        if "centres" in method:
+            lines += [f"**{name}**: each centre (column) on each source's test set (row).", "",
+                      centre_table(method["centres"], lower), ""]
+    return lines
 
 
 def _drops_section(summary: dict[str, Any]) -> list[str]:

@@ -19,6 +19,7 @@ from ondevice_moe.experts.preconditioning import precondition_gradients
 from ondevice_moe.federation.rank_pruning import pruning_penalty, zero_pruned_ranks
 from ondevice_moe.layout import hermes_routers, routing_sites, total_balance_loss
 from ondevice_moe.methods import Method
+from ondevice_moe.methods.fedsoft.centres import ProximalAnchors
 from ondevice_moe.mixture import mixtures
 from ondevice_moe.routing import ClientRouter, client_mixture
 from ondevice_moe.routing.hermes import counting_real_tokens
@@ -62,6 +63,8 @@ class DeviceTrainer:
 
     A parameter is trainable when the model was built with ``requires_grad``
     on it (experts, routers, task heads) and the method does not freeze it.
+    ``anchors``: this round's cluster centres, whose proximal term (FedSoft eq. 4)
+    joins the loss of every expert step.
     """
 
     model: nn.Module
@@ -71,6 +74,7 @@ class DeviceTrainer:
     expert_optimizer: torch.optim.Optimizer | None = field(default=None, init=False)
     router_optimizer: torch.optim.Optimizer | None = field(default=None, init=False)
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = field(default=None, init=False)
+    anchors: ProximalAnchors | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self.trainable = [(n, p) for n, p in self.model.named_parameters()
@@ -192,6 +196,9 @@ class DeviceTrainer:
                 if procedure.pruning_lambda and train_experts else None
             if penalty is not None:
                 loss = loss + procedure.pruning_lambda * penalty
+            proximal = self.anchors.penalty(self.trainable) if self.anchors is not None and train_experts else None
+            if proximal is not None:
+                loss = loss + proximal
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             for router in self.hermes_routers:

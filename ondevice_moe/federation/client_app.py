@@ -2,13 +2,15 @@
 
 ``train``: rebuild the device's model from the server's shared tensors and the
 private state in ``context.state`` (for PCL, first average the peers' models the
-server relayed), run the method's local procedure, keep the
-private part, and reply with the shared part only (plus, for Hermes, each
-uploaded expert's usage count; for FLoRAL, the client's mixture π). ``evaluate``: for language modelling, test
+server relayed; for FedSoft, anchor its own model to the centres), run the method's local
+procedure, keep the private part, and reply with the shared part only (plus, for Hermes, each
+uploaded expert's usage count; for FLoRAL, the client's mixture π; for FedSoft and IFCA,
+its weights over the centres). ``evaluate``: for language modelling, test
 perplexity in distribution (the user's own test split) and out of
 distribution (the union of all users' test splits); for classification, the
-task's metric on the client's own test split. ``query``: the device's index
-(``partition-id``), so the server knows which node holds which user.
+task's metric on the client's own test split (FedSoft: with the client's own model; IFCA:
+with its centre), and on device 0 every centre's score on every source's test set.
+``query``: the device's index (``partition-id``), so the server knows which node holds which user.
 Simulated faults (``federation.faults``) wrap training as a client mod.
 """
 
@@ -21,7 +23,7 @@ from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from ondevice_moe.federation import device as dev
-from ondevice_moe.federation.evaluation import evaluate_device
+from ondevice_moe.federation.evaluation import centre_scores, evaluate_device
 from ondevice_moe.federation.faults import fault_mod
 from ondevice_moe.federation.job import job_from_context
 
@@ -43,17 +45,22 @@ def train(msg: Message, context: Context) -> Message:
     job = job_from_context(context)
     device = _device_index(context)
     arrays = msg.content.array_records.get("arrays")
-    peer_mixing = job.method.procedure.peer_mixing
-    trainer = dev.restore_trainer(job, device, None if peer_mixing else arrays, context.state)
-    trust = dev.mix_relayed_peers(job, device, trainer, arrays) if peer_mixing else {}
+    procedure = job.method.procedure
+    server_round = int(msg.content["config"]["server-round"])
+    # PCL's peers and FedSoft's centres are read, not loaded: the device trains on from its own model.
+    reads_arrays = procedure.peer_mixing or procedure.centres is not None
+    trainer = dev.restore_trainer(job, device, None if reads_arrays else arrays, context.state)
+    trust = dev.mix_relayed_peers(job, device, trainer, arrays) if procedure.peer_mixing else {}
+    chosen = dev.anchor_to_centres(job, device, trainer, arrays, context.state, server_round) \
+        if procedure.centres is not None else {}
     seed = job.recipe.seed * 1000 + device
     # Dropout draws from the global generator: seed it per device and round so a
     # run gives the same numbers whichever worker process serves the device.
-    torch.manual_seed(zlib.crc32(f"{seed}:{msg.content['config']['server-round']}".encode()))
+    torch.manual_seed(zlib.crc32(f"{seed}:{server_round}".encode()))
     dev.start_round(trainer.model)
     metrics, examples = dev.run_local_procedure(job, device, trainer, seed)
     dev.save_private_state(trainer, context.state)
-    metrics.update({**trust, "device": device, "num-examples": examples})
+    metrics.update({**trust, **chosen, "device": device, "num-examples": examples})
     tensors, records = dev.upload(job, trainer)
     content = RecordDict({"arrays": ArrayRecord(tensors), "metrics": MetricRecord(metrics)})
     for key, values in records.items():
@@ -65,8 +72,15 @@ def train(msg: Message, context: Context) -> Message:
 def evaluate(msg: Message, context: Context) -> Message:
     job = job_from_context(context)
     device = _device_index(context)
-    model = dev.restore_trainer(job, device, msg.content.array_records.get("arrays"), context.state).model
-    metrics = evaluate_device(job, device, model)
+    arrays = msg.content.array_records.get("arrays")
+    centred = job.method.procedure.centres is not None
+    model = dev.restore_trainer(job, device, None if centred else arrays, context.state).model
+    scores = {}
+    if centred:
+        centres = dev.received_centres(job, arrays)
+        dev.local_model_of(job, device, model, centres)
+        scores = centre_scores(job, model, centres) if device == 0 else {}
+    metrics = {**evaluate_device(job, device, model), **scores}
     metrics["device"] = device
     if msg.content["config"].get("final", False) and job.method.trains:
         dev.save_checkpoint(job, device, model)

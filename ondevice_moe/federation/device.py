@@ -23,12 +23,22 @@ from ondevice_moe.federation.peers import mix_peers, split_peers
 from ondevice_moe.federation.rank_pruning import fit_received
 from ondevice_moe.layout import attach_layout, hermes_routers
 from ondevice_moe.methods import Method, Role
+from ondevice_moe.methods.fedsoft.centres import (
+    ProximalAnchors,
+    Tensors,
+    centre_losses,
+    centre_seed,
+    hard_assignment,
+    importance_weights,
+    split_centres,
+)
 from ondevice_moe.models import LoadedModel, load_base_model
 from ondevice_moe.routing import client_mixture
 from ondevice_moe.training import DeviceTrainer, trainable_state
 
 PRIVATE_KEY = "private"
 OPTIMIZER_KEY = "optimizer"
+IMPORTANCE_KEY = "importance"
 
 
 @lru_cache(maxsize=2)
@@ -170,6 +180,57 @@ def mix_relayed_peers(job: Job, device: int, trainer: DeviceTrainer, arrays: Arr
     return {f"trust_{peer}": weight for peer, weight in weights.items()}
 
 
+def received_centres(job: Job, arrays: ArrayRecord | None) -> dict[int, Tensors]:
+    """All S cluster centres: those the server sent, the others (not aggregated yet) from their seeds."""
+    sent = split_centres(arrays.to_torch_state_dict()) if arrays is not None and len(arrays) > 0 else {}
+    return {centre: sent.get(centre) or initial_centre(job, centre) for centre in range(job.server_rule.clusters)}
+
+
+def initial_centre(job: Job, centre: int) -> Tensors:
+    """Centre ``centre`` as first drawn: the recipe's model built from the centre's own seed."""
+    model, spec = job.recipe.model, job.recipe.task.spec()
+    with torch.random.fork_rng(devices=[]):
+        loaded = load_base_model(model.name, model.dtype, model.quantization, spec.num_labels,
+                                 centre_seed(job.recipe.seed, centre), model.device,
+                                 regression=spec.is_regression, input_shape=spec.input_shape)
+    return dict(loaded.model.state_dict())
+
+
+def anchor_to_centres(job: Job, device: int, trainer: DeviceTrainer, arrays: ArrayRecord | None,
+                      state: RecordDict, server_round: int) -> dict[str, float]:
+    """Set up a round against the centres (FedSoft Alg. 1, IFCA); returns what the device chose.
+
+    FedSoft: every τ rounds (and on a device's first round) the importances ``u_k`` are
+    re-estimated on the training examples and kept in ``context.state`` (lines 3–13);
+    the device's own model is anchored to all centres by them (eq. 4). IFCA: the model
+    becomes the centre with the lowest loss on the training examples, trained without a
+    proximal term. Either way the weights travel with the update (:func:`upload`)."""
+    procedure = job.method.procedure.centres
+    centres = received_centres(job, arrays)
+    losses = centre_losses(copy.deepcopy(trainer.model), centres, federated_task(job).train[device])
+    if procedure.assignment == "hard":
+        chosen = hard_assignment(losses)
+        trainer.model.load_state_dict(centres[chosen], strict=False)
+        weights = [float(centre == chosen) for centre in sorted(centres)]
+        trainer.anchors = ProximalAnchors(tuple(centres[c] for c in sorted(centres)), tuple(weights), 0.0)
+        return {"centre": chosen}
+    if (server_round - 1) % procedure.estimation_interval == 0 or IMPORTANCE_KEY not in state:
+        state[IMPORTANCE_KEY] = ConfigRecord({"u": importance_weights(losses, procedure.importance_floor)})
+    weights = [float(u) for u in state[IMPORTANCE_KEY]["u"]]
+    trainer.anchors = ProximalAnchors(tuple(centres[c] for c in sorted(centres)), tuple(weights),
+                                      procedure.proximal_lambda)
+    return {f"importance_{centre}": weight for centre, weight in enumerate(weights)}
+
+
+def local_model_of(job: Job, device: int, model: nn.Module, centres: dict[int, Tensors]) -> None:
+    """The model a device of a clustered method is tested with: FedSoft's own ``w_k`` (already
+    in ``model``), IFCA's lowest-loss centre (FedSoft §5: "the center corresponding to the
+    largest importance weight as a client's local model")."""
+    if job.method.procedure.centres.assignment == "hard":
+        losses = centre_losses(copy.deepcopy(model), centres, federated_task(job).train[device])
+        model.load_state_dict(centres[hard_assignment(losses)], strict=False)
+
+
 def save_private_state(trainer: DeviceTrainer, state: RecordDict) -> None:
     """Keep private tensors (all trained tensors with ``sharing.devices_keep_models``) and
     optimiser state on the device (``context.state``)."""
@@ -231,7 +292,8 @@ def upload_reference(job: Job, device: int) -> dict[str, torch.Tensor]:
 def upload(job: Job, trainer: DeviceTrainer) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
     """What the device sends after a round: its shared tensors and the numbers the server
     weighs them by — ``usage``: each uploaded expert tensor's usage count, when the server
-    weighs experts by usage (Hermes); ``mixture``: the client's ``π`` (FLoRAL Alg. 1 line 12)."""
+    weighs experts by usage (Hermes); ``mixture``: the client's ``π`` (FLoRAL Alg. 1 line 12),
+    or its weights over the cluster centres (FedSoft's ``u_k``, IFCA's one-hot choice)."""
     tensors = shared_state(trainer)
     records: dict[str, dict] = {}
     if job.method.sharing.selected_only:
@@ -239,6 +301,8 @@ def upload(job: Job, trainer: DeviceTrainer) -> tuple[dict[str, torch.Tensor], d
     mixture = client_mixture(trainer.model)
     if mixture is not None:
         records["mixture"] = {"pi": mixture}
+    if trainer.anchors is not None:
+        records["mixture"] = {"pi": list(trainer.anchors.weights)}
     return tensors, records
 
 

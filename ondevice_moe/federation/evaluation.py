@@ -2,9 +2,12 @@
 (in distribution on its own test split, out of distribution on the union of all
 users' test splits — CoMiGS Table 2; FDLoRA first fits its fusion weight on the
 validation split), the task metric for classification
-(Hermes Table 1). Used by the ClientApp every round and by ``ondevice-moe eval``."""
+(Hermes Table 1); and FedSoft's and IFCA's centres on each source's own test set
+(FedSoft Tables 1 and 3). Used by the ClientApp every round and by ``ondevice-moe eval``."""
 
 from __future__ import annotations
+
+import copy
 
 import torch
 from torch import nn
@@ -64,6 +67,32 @@ def _classifier(job: Job, device: int, model: nn.Module) -> dict[str, float]:
     task = federated.task
     predictions = predict(model, examples, job.recipe.task.eval_batch_size, task.is_regression)
     score = task_score(task.metric, predictions.numpy(), examples.labels.numpy())
-    # Fractions (accuracy, F1, MCC, Spearman) are reported ×100; errors (MSE) as they are.
-    return {"num-examples": len(examples), f"user_{device}/score": score if task.metric in LOWER_IS_BETTER
-            else 100.0 * score}
+    return {"num-examples": len(examples), f"user_{device}/score": reported(task.metric, score)}
+
+
+def reported(metric: str, score: float) -> float:
+    """Fractions (accuracy, F1, MCC, Spearman) are reported ×100; errors (MSE) as they are."""
+    return score if metric in LOWER_IS_BETTER else 100.0 * score
+
+
+def centre_key(centre: int, source: int) -> str:
+    """The evaluation key of centre ``centre`` scored on source ``source``'s test set."""
+    return f"centre_{centre}_source_{source}"
+
+
+def centre_scores(job: Job, model: nn.Module, centres: dict[int, dict[str, torch.Tensor]]) -> dict[str, float]:
+    """Every centre scored on every source's held-out examples (``cluster_test``): the S × S
+    table of FedSoft Tables 1 and 3, as ``user_0/centre_<s>_source_<j>`` entries (the server
+    has no evaluation of its own, so device 0 scores them; they are the server's tensors and
+    public held-out sets, not the device's data)."""
+    federated = dev.federated_task(job)
+    task = federated.task
+    scratch = copy.deepcopy(model)
+    scores = {}
+    for centre, tensors in sorted(centres.items()):
+        scratch.load_state_dict(tensors, strict=False)
+        for source, examples in enumerate(federated.cluster_test):
+            predictions = predict(scratch, examples, job.recipe.task.eval_batch_size, task.is_regression)
+            score = task_score(task.metric, predictions.numpy(), examples.labels.numpy())
+            scores[f"user_0/{centre_key(centre, source)}"] = reported(task.metric, score)
+    return scores
