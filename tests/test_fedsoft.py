@@ -189,6 +189,26 @@ def test_importances_are_kept_between_estimations():
     assert fresh != kept
 
 
+# -- the rotated-digits mixture ------------------------------------------------------------------------------------
+
+
+def test_rotated_digit_mixtures_turn_each_clients_share_of_its_images():
+    from ondevice_moe.data.small import _digits, build_small_task, mixture_counts
+
+    task = build_small_task("digits-rotate-10-90", clients=4, seed=0)
+    upright = {image.tobytes() for image in _digits()[0].astype(np.float32)}
+    for shares, examples in zip(task.mixtures, task.train, strict=True):
+        images = examples.inputs[:, 0].numpy()
+        turned_back = np.rot90(images, k=-1, axes=(1, 2))
+        found = [image.tobytes() in upright for image in images]
+        found_turned = [image.tobytes() in upright for image in np.ascontiguousarray(turned_back)]
+        first, _ = mixture_counts(shares, len(images))
+        assert all(found[:first]) and not any(found[first:]), shares
+        assert all(found_turned[first:]), shares
+    assert task.mixtures[0].tolist() == [0.1, 0.9] and task.mixtures[-1].tolist() == [0.9, 0.1]
+    torch.testing.assert_close(task.cluster_test[1].inputs, torch.rot90(task.cluster_test[0].inputs, 1, (2, 3)))
+
+
 # -- bad input -----------------------------------------------------------------------------------------------------
 
 

@@ -25,6 +25,8 @@
   rotates its images by 90°·c (``numpy.rot90``) and/or shifts its labels to
   ``(y + c) mod 10`` (FLoRAL §6, after Ghosh et al. 2020); ``digits-dirichlet``
   deals them by Dirichlet(α) label skew instead (:mod:`ondevice_moe.data.partition`).
+  ``digits-rotate-10-90`` / ``-30-70`` are FedSoft's rotated mixtures: two sources,
+  upright and turned by 90°, each client holding both in its partition's shares.
   ``data_fraction = 0.05`` is FLoRAL's *Reduced* variant: each client keeps 5 %
   of its training examples, at least 10.
 
@@ -104,8 +106,8 @@ def build_small_task(
     task = get_task(name)
     clients, clusters = check_small_options(task, clients, clusters, data_fraction)
     rng = np.random.default_rng(seed)
-    family = name.split("-", 1)[0]
-    built = _BUILDERS[family](task, clients, clusters, rng, alpha, seed)
+    builder = _BUILDERS.get(name) or _BUILDERS[name.split("-", 1)[0]]
+    built = builder(task, clients, clusters, rng, alpha, seed)
     if data_fraction < 1:
         built.train = [_reduced(examples, data_fraction, rng) for examples in built.train]
     return built
@@ -124,7 +126,7 @@ def check_small_options(task: TaskSpec, clients: int | None, clusters: int | Non
     else:
         clusters = task.clusters if clusters is None else clusters
         most = _MAX_CLUSTERS.get(task.name, clients)
-        fixed = task.name.startswith("fedsoft-") and task.name != "fedsoft-random"
+        fixed = task.name in TWO_SOURCE_TASKS
         if (fixed and clusters != 2) or not 1 <= clusters <= most:
             allowed = "exactly 2 sources (only fedsoft-random mixes more)" if fixed else f"1 to {most} clusters"
             raise UserError(f"task '{task.name}' with {clients} clients cannot have clusters={clusters}",
@@ -251,6 +253,35 @@ def digits_task(task: TaskSpec, clients: int, clusters: int | None, rng: np.rand
     )
 
 
+def rotated_digit_mixture(task: TaskSpec, clients: int, sources: int, rng: np.random.Generator, *_
+                          ) -> SmallFederatedTask:
+    """FedSoft's rotated mixtures (§5, App. C's CIFAR-10 "original and rotated by 90°") on digits:
+    source ``s`` turns its images by 90°·s, and each client's training and test examples are
+    turned in the shares of the task's 10:90 or 30:70 partition (:func:`fedsoft_mixtures`)."""
+    images, labels = _digits()
+    train, test = (np.array(rows) for rows in fixed_split(len(labels)))
+    mixtures = fedsoft_mixtures(task.name.removeprefix("digits-rotate-"), clients, sources, rng)
+
+    def deal(rows: np.ndarray) -> list[TensorExamples]:
+        parts = np.array_split(rng.permutation(rows), clients)
+        return [_mixed_digits(images, labels, part, shares) for part, shares in zip(parts, mixtures, strict=True)]
+
+    return SmallFederatedTask(
+        task,
+        train=deal(train),
+        test=deal(test),
+        mixtures=mixtures,
+        cluster_test=[_digit_examples(images, labels, test, s) for s in range(sources)],
+    )
+
+
+def _mixed_digits(images: np.ndarray, labels: np.ndarray, rows: np.ndarray, shares: np.ndarray) -> TensorExamples:
+    """The examples ``rows``, the first ``shares[0]`` of them upright, the next ``shares[1]`` turned by 90°, ..."""
+    bounds = np.cumsum(mixture_counts(shares, len(rows)))[:-1]
+    pieces = [_digit_examples(images, labels, part, turns) for turns, part in enumerate(np.split(rows, bounds))]
+    return TensorExamples(torch.cat([p.inputs for p in pieces]), torch.cat([p.labels for p in pieces]))
+
+
 def _digit_examples(images: np.ndarray, labels: np.ndarray, rows: np.ndarray, quarter_turns: int = 0,
                     label_shift: int = 0) -> TensorExamples:
     """Images ``rows`` rotated by 90° · ``quarter_turns``, labels shifted to ``(y + label_shift) mod 10``."""
@@ -294,8 +325,12 @@ _BUILDERS: dict[str, Callable[..., SmallFederatedTask]] = {
     "floral": floral_synthetic,
     "fedsoft": fedsoft_synthetic,
     "digits": digits_task,
+    "digits-rotate-10-90": rotated_digit_mixture,
+    "digits-rotate-30-70": rotated_digit_mixture,
 }
+TWO_SOURCE_TASKS = ("fedsoft-10-90", "fedsoft-30-70", "fedsoft-linear", "digits-rotate-10-90", "digits-rotate-30-70")
 _MAX_CLUSTERS = {"digits-rotate": 4, "digits-rotate-label-shift": 4, "digits-label-shift": 10}
 
 __all__ = ["SMALL_TASKS", "SmallFederatedTask", "TensorExamples", "build_small_task", "check_small_options",
-           "digits_task", "fedsoft_mixtures", "fedsoft_synthetic", "floral_synthetic", "mixture_counts"]
+           "digits_task", "fedsoft_mixtures", "fedsoft_synthetic", "floral_synthetic", "mixture_counts",
+           "rotated_digit_mixture"]

@@ -14,7 +14,7 @@ folder names). Identical texts are kept once, then a shuffle with a fixed seed
 
 The small vector and image tasks of FLoRAL (App. G synthetic regression,
 digits clustered by rotation or label shift) and FedSoft (§5 synthetic
-mixtures) are registered here with their input shape and their paper's
+mixtures, and digits mixing upright and turned images) are registered here with their input shape and their paper's
 number of clients K and clusters C; :mod:`ondevice_moe.data.small` generates
 their data. A user's own labelled CSV / JSONL file becomes a task through
 :func:`user_task`; its rows are split 80 / 20 with the same fixed seed.
@@ -127,6 +127,10 @@ TASKS: dict[str, TaskSpec] = {
                    f"scikit-learn 8×8 digits, clusters by {shift.replace('-', ' ')} (FLoRAL §6)",
                    input_shape=(1, 8, 8), clients=20, clusters=4)
           for shift in ("rotate", "label-shift", "rotate-label-shift")),
+        *(TaskSpec(f"digits-rotate-{pattern}", 10, "accuracy", tuple(map(str, range(10))),
+                   f"scikit-learn 8×8 digits, clients mixing upright and 90°-turned images "
+                   f"{pattern.replace('-', ':')} (FedSoft §5)", input_shape=(1, 8, 8), clients=20, clusters=2)
+          for pattern in ("10-90", "30-70")),
         TaskSpec("digits-dirichlet", 10, "accuracy", tuple(map(str, range(10))),
                  "scikit-learn 8×8 digits, Dirichlet label skew over clients", input_shape=(1, 8, 8), clients=20),
     )
