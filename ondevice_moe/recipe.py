@@ -33,12 +33,22 @@ class _Section(BaseModel):
 
 
 class ModelSection(_Section):
-    """The frozen base model. ``device``: ``auto`` picks CUDA when present, else CPU."""
+    """The frozen base model. ``device``: ``auto`` picks CUDA when present, else CPU.
+    ``bias: false`` drops every layer's bias from a small model (FedSoft App. C: linear
+    regression "without the intercept term")."""
 
     name: str = "smollm2-135m"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     quantization: Literal["none", "nf4", "int8"] = "none"
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    bias: bool = True
+
+    @model_validator(mode="after")
+    def _bias_of_small_models_only(self) -> ModelSection:
+        if not self.bias and self.name not in SMALL_MODELS:
+            raise ValueError(f"model.bias: false applies to the small models ({', '.join(SMALL_MODELS)}), "
+                             f"not to '{self.name}'; drop it")
+        return self
 
     @field_validator("name")
     @classmethod

@@ -226,6 +226,16 @@ def test_impossible_centres_or_selection_say_how_to_fix_them(options, context, f
         assert fix in error.value.fix
 
 
+def test_the_linear_model_has_no_intercept_and_only_small_models_drop_their_bias():
+    job = Job(load_recipe(TINY_FEDSOFT), 0, Path("."))
+    assert [name for name, _ in dev.build_model(job, 0).named_parameters()] == ["net.1.weight"]
+    assert list(dev.received_centres(job, None)[1]) == ["net.1.weight"]
+    raw = yaml.safe_load(TINY_FEDSOFT.read_text())
+    raw["model"], raw["task"], raw["methods"] = {"name": "tiny-bert", "bias": False}, {"name": "sst2"}, ["fed-ft"]
+    with pytest.raises(UserError, match="small models"):
+        validate_recipe(raw)
+
+
 def test_fedsoft_refuses_language_model_recipes():
     raw = yaml.safe_load(TINY_FEDSOFT.read_text())
     raw["model"], raw["task"] = {"name": "tiny-bert"}, {"name": "sst2", "clients": 2}

@@ -43,10 +43,16 @@ IMPORTANCE_KEY = "importance"
 
 @lru_cache(maxsize=2)
 def base_model(name: str, dtype: str, quantization: str, num_labels: int | None, seed: int, device: str,
-               regression: bool | None = None, input_shape: tuple[int, ...] | None = None) -> LoadedModel:
+               regression: bool | None = None, input_shape: tuple[int, ...] | None = None,
+               bias: bool = True) -> LoadedModel:
     """The frozen base model, loaded once per process."""
     return load_base_model(name, dtype, quantization, num_labels, seed, device, regression=regression,
-                           input_shape=input_shape)
+                           input_shape=input_shape, model_options=small_model_options(bias))
+
+
+def small_model_options(bias: bool) -> dict[str, object] | None:
+    """The small models' options a recipe sets (``model.bias``)."""
+    return None if bias else {"bias": False}
 
 
 def job_base_model(job: Job) -> LoadedModel:
@@ -55,7 +61,7 @@ def job_base_model(job: Job) -> LoadedModel:
         return base_model(model.name, model.dtype, model.quantization, None, job.recipe.seed, model.device)
     spec = job.recipe.task.spec()
     return base_model(model.name, model.dtype, model.quantization, spec.num_labels, job.recipe.seed, model.device,
-                      spec.is_regression, spec.input_shape)
+                      spec.is_regression, spec.input_shape, model.bias)
 
 
 _TASKS: dict[str, FederatedTask | SmallFederatedTask] = {}
@@ -192,7 +198,8 @@ def initial_centre(job: Job, centre: int) -> Tensors:
     with torch.random.fork_rng(devices=[]):
         loaded = load_base_model(model.name, model.dtype, model.quantization, spec.num_labels,
                                  centre_seed(job.recipe.seed, centre), model.device,
-                                 regression=spec.is_regression, input_shape=spec.input_shape)
+                                 regression=spec.is_regression, input_shape=spec.input_shape,
+                                 model_options=small_model_options(model.bias))
     return dict(loaded.model.state_dict())
 
 
