@@ -189,6 +189,22 @@ def test_importances_are_kept_between_estimations():
     assert fresh != kept
 
 
+def test_an_ifca_device_trains_its_lowest_loss_centre_and_sends_the_choice():
+    job = Job(load_recipe(TINY_FEDSOFT), 1, Path("."))
+    assert job.method.name == "ifca"
+    state = RecordDict()
+    trainer = dev.restore_trainer(job, 0, None, state)
+    near, far = torch.zeros(1, 10), torch.full((1, 10), 100.0)  # a zero map beats one far off on every example
+    sent = ArrayRecord({centre_key(0, "net.1.weight"): far, centre_key(1, "net.1.weight"): near})
+    assert dev.anchor_to_centres(job, 0, trainer, sent, state, server_round=1) == {"centre": 1}
+    torch.testing.assert_close(trainer.model.state_dict()["net.1.weight"], near)
+    assert trainer.anchors.penalty(trainer.trainable) is None, "IFCA has no proximal term"
+    assert dev.upload(job, trainer)[1]["mixture"]["pi"] == [0.0, 1.0]
+    evaluated = dev.restore_trainer(job, 0, None, state).model
+    dev.local_model_of(job, 0, evaluated, dev.received_centres(job, sent))
+    torch.testing.assert_close(evaluated.state_dict()["net.1.weight"], near)
+
+
 # -- the rotated-digits mixture ------------------------------------------------------------------------------------
 
 
