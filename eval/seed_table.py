@@ -9,6 +9,12 @@ all runs it prints, over runs, the mean (std) of the users' mean value —
 test perplexity in and out of distribution for language modelling, the task
 score for classification — its mean std over users, and the upload per round.
 
+For FedSoft and IFCA (methods whose summary has ``centres``) it also prints the
+centre-by-source table over runs: in each run every source is matched to a centre by the
+assignment with the best total score (centre indices are arbitrary, Table 1's "center
+indices are assigned randomly"), then per source the matched centre's score, the other
+centres' mean, and in how many runs the matched centre is the best on that source.
+
 For language modelling it also prints the standard error of each user's mean
 test NLL over the test blocks (mean over users and runs): a 1 % perplexity
 gap is a NLL gap of 0.01, so one run resolves it only when this is well under 0.01.
@@ -27,6 +33,7 @@ remains is training noise across seeds and users.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import statistics
@@ -34,7 +41,8 @@ from pathlib import Path
 
 from scipy import stats
 
-from ondevice_moe.report import format_bytes
+from ondevice_moe.metrics import LOWER_IS_BETTER
+from ondevice_moe.report import CENTRE_KEY, format_bytes
 
 SIGNIFICANCE = 0.05
 
@@ -100,6 +108,41 @@ def seed_table(summaries: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def matched_centres(centres: dict[str, float], lower_is_better: bool) -> list[list[float]]:
+    """One run's centre-by-source scores as rows per source, the centres reordered so that
+    column ``j`` is the centre matched to source ``j`` (the assignment with the best sum of
+    matched scores); unmatched centres follow."""
+    scores: dict[tuple[int, int], float] = {}
+    for key, value in centres.items():
+        centre, source = (int(part) for part in CENTRE_KEY.fullmatch(key).groups())
+        scores[centre, source] = value
+    count_centres = 1 + max(centre for centre, _ in scores)
+    count_sources = 1 + max(source for _, source in scores)
+    sign = 1.0 if lower_is_better else -1.0
+    match = min(itertools.permutations(range(count_centres), count_sources),
+                key=lambda order: sign * sum(scores[centre, source] for source, centre in enumerate(order)))
+    order = [*match, *(centre for centre in range(count_centres) if centre not in match)]
+    return [[scores[centre, source] for centre in order] for source in range(count_sources)]
+
+
+def centre_table(summaries: list[dict]) -> str:
+    """Per clustered method and source: the matched centre's score and the other centres'
+    mean, mean (std) over runs, and the runs in which the matched centre is the best."""
+    lower = summaries[0].get("metric") in LOWER_IS_BETTER
+    header = ["method", "source", "matched centre", "other centres", "matched centre best"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for method in _common_methods(summaries):
+        if not all("centres" in s["methods"][method] for s in summaries):
+            continue
+        tables = [matched_centres(s["methods"][method]["centres"], lower) for s in summaries]
+        for source in range(len(tables[0])):
+            own = [table[source][source] for table in tables]
+            others = [statistics.fmean(v for c, v in enumerate(table[source]) if c != source) for table in tables]
+            best = sum((min if lower else max)(table[source]) == table[source][source] for table in tables)
+            lines.append(f"| {method} | θ_{source} | {_spread(own)} | {_spread(others)} | {best} of {len(tables)} |")
+    return "\n".join(lines)
+
+
 def _mean_standard_error(entries: list[dict], key: str) -> str:
     errors = [user[f"nll_se_{key}"] for e in entries for user in e["per_user"].values() if f"nll_se_{key}" in user]
     return f"{statistics.fmean(errors):.3f}" if errors else "–"
@@ -158,6 +201,9 @@ def main(argv: list[str]) -> None:
     args = options.parse_args(argv)
     summaries = load_summaries(args.runs)
     print(seed_table(summaries))
+    if any("centres" in m for m in summaries[0]["methods"].values()):
+        print()
+        print(centre_table(summaries))
     if args.against:
         print()
         print(paired_table(summaries, args.against))

@@ -76,3 +76,16 @@ def test_folders_of_one_seed_joined_with_plus_stand_side_by_side(tmp_path):
     (other / "summary.json").write_text(json.dumps({**full, "users": ["x"]}))
     with pytest.raises(SystemExit, match="different users"):
         seed_table.load_summaries([Path(f"{first}+{other}")])
+
+
+def test_centres_are_matched_to_sources_before_they_are_averaged_over_runs():
+    """Run 0 learned source 0 in centre 0, run 1 in centre 1: matched, both runs agree."""
+    runs = [{"c0s0": 10.0, "c0s1": 90.0, "c1s0": 80.0, "c1s1": 20.0},
+            {"c0s0": 70.0, "c0s1": 30.0, "c1s0": 12.0, "c1s1": 60.0}]
+    summaries = [{"users": USERS, "metric": "mse", "methods": {"fedsoft": {
+        "centres": {f"centre_{k[1]}_source_{k[3]}": v for k, v in run.items()}}}} for run in runs]
+    assert seed_table.matched_centres(summaries[1]["methods"]["fedsoft"]["centres"], True) == [[12.0, 70.0],
+                                                                                              [60.0, 30.0]]
+    table = seed_table.centre_table(summaries).splitlines()
+    assert table[2] == "| fedsoft | θ_0 | 11.00 (1.41) | 75.00 (7.07) | 2 of 2 |"
+    assert table[3] == "| fedsoft | θ_1 | 25.00 (7.07) | 75.00 (21.21) | 2 of 2 |"
