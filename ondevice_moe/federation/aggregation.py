@@ -21,7 +21,8 @@ import torch
 class Update:
     """The shared tensors one device sent back, with its example count,
     for routed experts their usage counts (tensor name → tokens routed), and
-    for FLoRAL the client's mixture π over its experts."""
+    for FLoRAL the client's mixture π over its experts (for FedSoft and IFCA, its
+    weights over the server's centres)."""
 
     device: int
     tensors: dict[str, torch.Tensor]

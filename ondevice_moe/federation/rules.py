@@ -2,8 +2,8 @@
 
 The server's state is a set of named *slots*, each a dict of tensors: one
 ``global`` slot for FedAvg-style methods; one per device for PCL
-(:mod:`ondevice_moe.federation.peers`); FedSoft will keep ``cluster_0 …
-cluster_{S-1}``. A rule decides, per device, which tensors it is sent
+(:mod:`ondevice_moe.federation.peers`); ``cluster_0 … cluster_{S-1}`` for
+FedSoft and IFCA (:mod:`ondevice_moe.methods.fedsoft.rule`). A rule decides, per device, which tensors it is sent
 (:meth:`ServerRule.message_for`) and folds a round's sound updates into the
 slots (:meth:`ServerRule.aggregate`). Checking updates, sampling devices,
 timeouts and byte counting belong to the strategy, not to the rule.
