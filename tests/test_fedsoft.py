@@ -86,6 +86,15 @@ def test_ifca_averages_each_centre_over_the_clients_that_chose_it_and_keeps_the_
     assert slots["cluster_2"]["w"].item() == pytest.approx(7.0)
 
 
+def test_an_update_without_weights_over_every_centre_counts_towards_none():
+    rule = CentreRule(clusters=2)
+    sound = _update(0, 1.0, 100, (0.5, 0.5))
+    malformed = [_update(1, 9.0, 100, ()), _update(2, 9.0, 100, (1.0,)), _update(3, 9.0, 100, (float("nan"), 1.0)),
+                 _update(4, 9.0, 100, (-1.0, 2.0))]
+    slots = rule.aggregate(rule.initial_slots(), [sound, *malformed])
+    assert slots["cluster_0"]["w"].item() == 1.0 and slots["cluster_1"]["w"].item() == 1.0
+
+
 def test_a_selected_centre_is_the_plain_mean_of_k_clients_and_the_draw_follows_the_seed():
     updates = [_update(k, float(10 ** k), 100, (0.5, 0.5)) for k in range(4)]
     rule = CentreRule(clusters=2, selection_size=2, seed=3)

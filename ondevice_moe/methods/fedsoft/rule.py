@@ -79,7 +79,9 @@ class CentreRule(ServerRule):
         return slots[cluster_slot(0)]
 
     def aggregate(self, slots: Slots, updates: list[Update]) -> Slots:
-        updates = [update for update in updates if update.tensors]
+        """Fold the updates into the centres; an update without S finite, non-negative weights
+        over the centres (a malformed ``mixture`` record) counts towards none of them."""
+        updates = [update for update in updates if update.tensors and self._weighs_centres(update.mixture)]
         if not updates:
             return slots
         done = int(slots.get(ROUNDS, {}).get("count", torch.zeros(1)).item())
@@ -94,6 +96,9 @@ class CentreRule(ServerRule):
             fresh[cluster_slot(centre)] = mean_model(models, coefficients)
         fresh[ROUNDS] = {"count": torch.tensor([done + 1])}
         return fresh
+
+    def _weighs_centres(self, mixture: tuple[float, ...]) -> bool:
+        return len(mixture) == self.clusters and all(np.isfinite(w) and w >= 0 for w in mixture) and any(mixture)
 
     def _contributions(self, updates: list[Update], row: np.ndarray, done: int,
                        centre: int) -> tuple[list[dict[str, torch.Tensor]], list[float]]:
