@@ -24,6 +24,10 @@ and where the mixing happens:
 * ``mixing="ensemble"`` — FLoRAL's Ensemble baseline (Tables 1, 3): each
   expert (kind ``model``) is a whole copy of a small model, and the output is
   ``Σ_c π_c f_c(x)``.
+* ``mixing="layer-copies"`` — Flow §3 (eq. 2–3): every Linear and Conv2d layer of a small
+  model is routed between its global self (shared) and one private copy (kind
+  ``layer-copy``, :class:`~ondevice_moe.experts.layer_copy.RoutedLayer`), per instance,
+  by the policy network ψ (router ``instance-policy``, one exit per routed layer).
 
 Independently of the routed experts, ``attention_lora`` puts one always-on
 LoRA of the given role on every attention projection (CoMiGS App. B.1.2).
@@ -41,6 +45,7 @@ weights with the model it was given, so one process can hold several layouts
 from __future__ import annotations
 
 import copy
+import math
 import zlib
 from dataclasses import dataclass, field
 from typing import Literal
@@ -52,20 +57,24 @@ from ondevice_moe.errors import UserError
 from ondevice_moe.experts import LoRA, LoRAAdaptedLinear, linear_features
 from ondevice_moe.experts.adapter import Adapter, AdapterAfter
 from ondevice_moe.experts.layer import AdaptedLayer, AdaptorKinds, LayerAdaptor, layer_adaptor
+from ondevice_moe.experts.layer_copy import RoutedLayer
 from ondevice_moe.experts.prefix import Prefix, register_prefix_attention
 from ondevice_moe.mixture import MixedForward, MixtureMLP, gpt2_mixed_forward, llama_mixed_forward
 from ondevice_moe.routing import ClientMixtureRouter, ClientRouter, TokenTopKRouter, UniformRouter
 from ondevice_moe.routing.block import BlockRouter, route_block_input
 from ondevice_moe.routing.hermes import HermesRouter
+from ondevice_moe.routing.instance_policy import InstancePolicyRouter
 from ondevice_moe.routing.routers import BalanceForm
 
-ExpertKind = Literal["lora", "adapter", "prefix", "layers", "model"]
+ExpertKind = Literal["lora", "adapter", "prefix", "layers", "model", "layer-copy"]
 RoleName = Literal["shared", "private"]
-RouterKind = Literal["none", "uniform", "token-topk", "hermes", "sigmoid", "client", "client-mixture"]
-Mixing = Literal["mlp", "block", "every-layer", "ensemble"]
+RouterKind = Literal["none", "uniform", "token-topk", "hermes", "sigmoid", "client", "client-mixture",
+                     "instance-policy"]
+Mixing = Literal["mlp", "block", "every-layer", "ensemble", "layer-copies"]
 
-EXPERT_KINDS: tuple[str, ...] = ("lora", "adapter", "prefix", "layers", "model")
-ROUTER_KINDS: tuple[str, ...] = ("none", "uniform", "token-topk", "hermes", "sigmoid", "client", "client-mixture")
+EXPERT_KINDS: tuple[str, ...] = ("lora", "adapter", "prefix", "layers", "model", "layer-copy")
+ROUTER_KINDS: tuple[str, ...] = ("none", "uniform", "token-topk", "hermes", "sigmoid", "client", "client-mixture",
+                                 "instance-policy")
 CLIENT_LEVEL_KINDS = {"every-layer": "layers", "ensemble": "model"}
 
 
@@ -157,7 +166,8 @@ class RouterSpec:
     ``use_gradient`` switch views off for the ablations); ``sigmoid``:
     FedUniPELT's dense sigmoid gates; ``client``: one weight per expert for the
     whole device, set by the method (FDLoRA); ``client-mixture``: FLoRAL's learned
-    ``π = softmax(θ)`` for the whole device, or the one-hot ``π*`` on expert ``optimal``.
+    ``π = softmax(θ)`` for the whole device, or the one-hot ``π*`` on expert ``optimal``;
+    ``instance-policy``: Flow's ψ (eq. 2), ``policy_hidden`` units per base layer.
     """
 
     kind: RouterKind = "token-topk"
@@ -170,6 +180,7 @@ class RouterSpec:
     use_feature: bool = True
     use_gradient: bool = True
     optimal: int | None = None
+    policy_hidden: int = 64
 
 
 @dataclass(frozen=True)
@@ -199,6 +210,12 @@ class Layout:
         unknown = sorted(set(kinds) - set(EXPERT_KINDS))
         if unknown:
             raise UserError(f"unknown expert kind(s) {unknown}", f"use some of {list(EXPERT_KINDS)}")
+        if (self.mixing == "layer-copies") != ("layer-copy" in kinds) or (
+                self.mixing == "layer-copies" and (self.experts != (ExpertSpec("layer-copy", "private"),)
+                                                   or self.router.kind != "instance-policy")):
+            raise UserError(f"mixing '{self.mixing}' with experts {kinds} under router '{self.router.kind}'",
+                            "Flow's layout is mixing layer-copies, one private layer-copy expert, router "
+                            "instance-policy; the other mixings take no layer-copy experts")
         client_kind = CLIENT_LEVEL_KINDS.get(self.mixing)
         if (client_kind is not None and set(kinds) != {client_kind}) or \
                 (client_kind is None and set(kinds) & set(CLIENT_LEVEL_KINDS.values())):
@@ -278,6 +295,10 @@ def attach_layout(base_model: nn.Module, layout: Layout, *, seed: int, user: int
     """
     model = frozen_copy(base_model, own)
     device = next(base_model.parameters()).device
+    if layout.mixing == "layer-copies":
+        _attach_layer_copies(model, layout, seed)
+        _move_experts(model, device)
+        return model
     if layout.mixing in CLIENT_LEVEL_KINDS:
         _attach_client_mixture(model, layout, _ExpertBuilder(layout, getattr(model, "config", None), seed, user), own)
         _move_experts(model, device)
@@ -307,7 +328,7 @@ def _move_experts(model: nn.Module, device: torch.device) -> None:
         return
     for module in model.modules():
         if isinstance(module, LoRA | Adapter | Prefix | BlockRouter | HermesRouter | TokenTopKRouter | ClientRouter
-                      | LayerAdaptor | ClientMixtureRouter | EnsembleNet):
+                      | LayerAdaptor | ClientMixtureRouter | EnsembleNet | RoutedLayer | InstancePolicyRouter):
             module.to(device)
 
 
@@ -456,6 +477,26 @@ def _attach_client_mixture(model: nn.Module, layout: Layout, builder: _ExpertBui
                 parent, _, leaf = path.rpartition(".")
                 setattr(model.get_submodule(parent) if parent else model, leaf, adapted)
             adapted.add(name, adaptor, gate)
+
+
+def _attach_layer_copies(model: nn.Module, layout: Layout, seed: int) -> None:
+    """Flow: ψ (``model.router``, shared, the same on every device) and a global/local pair in
+    place of every Linear and Conv2d layer of a small model, layer ``j`` read by exit ``j``;
+    ψ runs on the network's input before the network (eq. 2–3)."""
+    net = getattr(model, "net", None)
+    input_shape = getattr(model, "input_shape", ())
+    if not isinstance(net, nn.Module) or hasattr(model, "config") or not input_shape:
+        raise UserError("Flow's global and local layer copies are built for the small models (linear, mlp, cnn)",
+                        "use a small model (model.name: mlp, cnn or linear) with a small task")
+    paths = [path for path, layer in _adaptable_layers(model) if isinstance(layer, nn.Linear | nn.Conv2d)]
+    router = InstancePolicyRouter(math.prod(input_shape), len(paths), layout.router.policy_hidden,
+                                  expert_generator(seed, "policy", "router"))
+    model.router = router
+    for index, path in enumerate(paths):
+        parent, _, leaf = path.rpartition(".")
+        owner = model.get_submodule(parent) if parent else model
+        setattr(owner, leaf, RoutedLayer(getattr(owner, leaf), router.gate(index)))
+    net.register_forward_pre_hook(router.before_network)
 
 
 def _always_on() -> torch.Tensor:

@@ -21,6 +21,7 @@ from ondevice_moe.methods.base import Method, MethodContext, MethodOptions
 from ondevice_moe.methods.comigs.config import LoRASizes
 from ondevice_moe.methods.fedsoft.config import FedSoftSizes
 from ondevice_moe.methods.floral.config import FLoRALSizes
+from ondevice_moe.methods.flow.config import FlowSizes
 from ondevice_moe.methods.hermes.config import HermesSizes
 from ondevice_moe.methods.registry import CLASSIFICATION, LANGUAGE, METHODS, SMALL, build_method, method_options
 from ondevice_moe.models.registry import MODEL_ALIASES
@@ -327,6 +328,7 @@ class Recipe(_Section):
     hermes: HermesSizes = HermesSizes()
     floral: FLoRALSizes = FLoRALSizes()
     fedsoft: FedSoftSizes = FedSoftSizes()
+    flow: FlowSizes = FlowSizes()
     data: DataSection | None = None
     task: TaskSection | None = None
     federation: FederationSection = FederationSection()

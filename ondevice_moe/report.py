@@ -91,7 +91,10 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
 
 
 # Evaluation record keys → short names in the summary.
-VALUE_KEYS = {"test_ppl_in": "in", "test_ppl_out": "out", "score": "score"}
+VALUE_KEYS = {"test_ppl_in": "in", "test_ppl_out": "out", "score": "score",
+              # Flow eq. 6-7 and Fig. 2: Acc_g beside Acc_p (``score``), and the per-instance breakdown.
+              "score_global": "score_global", "global_only": "global_only", "personal_only": "personal_only",
+              "both_correct": "both_correct", "neither_correct": "neither_correct"}
 # Cluster centres scored on each source's test set (FedSoft, IFCA), kept as they are.
 CENTRE_KEY = re.compile(r"centre_(\d+)_source_(\d+)")
 # Per-user uncertainty kept beside the values in summary.json (not averaged into mean/std).
@@ -126,6 +129,9 @@ def summarize(records: list[dict[str, Any]], methods: list[str], users: list[str
         }
         for key, short in keys.items():
             entry[f"mean_{short}"], entry[f"std_{short}"] = _mean_std([final[u][key] for u in users])
+        if "score_global" in keys:  # Flow Table 3: the share of clients with Acc_p > Acc_g
+            entry["benefiting_pct"] = 100.0 * statistics.fmean(
+                final[u]["score"] > final[u]["score_global"] for u in users)
         entry["upload_bytes_per_round"] = statistics.fmean(r["bytes_up"] for r in comm) if comm else 0.0
         # Tensors outside experts and routers: the task head (pooler, classifier), or the base for fed-ft.
         entry["upload_outside_experts_bytes_per_round"] = (
@@ -196,7 +202,7 @@ def write_report(run_dir: Path, recipe_name: str, summary: dict[str, Any], plots
              "Each client on its own test split; mean (std) over clients.")
     caption = f"{score_title(summary)}. {where}"
     lines = [f"# {recipe_name}", "", caption, "", markdown_table(summary), "", *_centres_section(summary),
-             *_drops_section(summary)]
+             *_personalisation_section(summary), *_drops_section(summary)]
     lines += [f"![{p.stem}](plots/{p.name})" for p in plots]
     path = run_dir / "report.md"
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
@@ -229,6 +235,24 @@ def _centres_section(summary: dict[str, Any]) -> list[str]:
             lines += [f"**{name}**: each centre (column) on each source's test set (row).", "",
                       centre_table(method["centres"], lower), ""]
     return lines
+
+
+def _personalisation_section(summary: dict[str, Any]) -> list[str]:
+    """Flow's measures, for methods with a global and a personalised model: Acc_g and Acc_p
+    (eq. 6-7, Table 2), the share of clients they benefit (Table 3) and the per-instance
+    breakdown (Fig. 2), mean (std) over clients."""
+    methods = {name: m for name, m in summary["methods"].items() if "benefiting_pct" in m}
+    if not methods:
+        return []
+    shorts = ("score_global", "score", "global_only", "personal_only", "both_correct", "neither_correct")
+    rows = [f"| {name} | " + " | ".join(f"{m[f'mean_{s}']:.2f} ({m[f'std_{s}']:.2f})" for s in shorts)
+            + f" | {m['benefiting_pct']:.1f} |" for name, m in methods.items()]
+    return ["## Global and personalised models", "",
+            "Acc_g: every instance on the global layers; Acc_p: the personalised model (Flow: routed with the "
+            "hard policy); then the % of each client's test instances correct by the global model only, the "
+            "personalised model only, both, neither; and the % of clients with Acc_p > Acc_g.", "",
+            "| method | Acc_g | Acc_p | global only | personalised only | both | neither | % clients Acc_p > Acc_g |",
+            "|---|---|---|---|---|---|---|---|", *rows, ""]
 
 
 def _drops_section(summary: dict[str, Any]) -> list[str]:

@@ -23,6 +23,7 @@ from ondevice_moe.methods.fedsoft.centres import ProximalAnchors
 from ondevice_moe.mixture import mixtures
 from ondevice_moe.routing import ClientRouter, client_mixture
 from ondevice_moe.routing.hermes import counting_real_tokens
+from ondevice_moe.routing.instance_policy import instance_policy, policy_regulariser
 
 
 @dataclass(frozen=True)
@@ -152,10 +153,11 @@ class DeviceTrainer:
                 metrics[f"layer_{layer}/expert_{name}_score"] = total / max(iterations, 1)
         return metrics
 
-    def expert_step(self, batch: Batch) -> float:
+    def expert_step(self, batch: Batch, idle: frozenset[int] = frozenset()) -> float:
         """One step on the experts (CoMiGS eq. 3); routers are held fixed unless trained jointly.
-        With ``experts_in_turn`` (FDLoRA) the step trains one expert per site alone, in turn."""
-        idle = self._experts_out_of_turn() if self.method.procedure.experts_in_turn else set()
+        With ``experts_in_turn`` (FDLoRA) the step trains one expert per site alone, in turn;
+        the parameters whose ids are in ``idle`` stay as they are (Flow's phases)."""
+        idle = set(idle) | (self._experts_out_of_turn() if self.method.procedure.experts_in_turn else set())
         return self._step(batch, self.expert_optimizer, train_router=self.method.procedure.routers == "joint",
                           train_experts=True, scheduler=self.scheduler, idle=idle)
 
@@ -196,6 +198,9 @@ class DeviceTrainer:
                 if procedure.pruning_lambda and train_experts else None
             if penalty is not None:
                 loss = loss + procedure.pruning_lambda * penalty
+            policy = instance_policy(self.model)
+            if train_router and policy is not None and procedure.flow is not None:
+                loss = loss + procedure.flow.gamma * policy_regulariser(policy)  # Flow eq. 4
             proximal = self.anchors.penalty(self.trainable) if self.anchors is not None and train_experts else None
             if proximal is not None:
                 loss = loss + proximal

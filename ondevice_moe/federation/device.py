@@ -32,6 +32,7 @@ from ondevice_moe.methods.fedsoft.centres import (
     importance_weights,
     split_centres,
 )
+from ondevice_moe.methods.flow.procedure import flow_round
 from ondevice_moe.models import LoadedModel, load_base_model
 from ondevice_moe.routing import client_mixture
 from ondevice_moe.training import DeviceTrainer, trainable_state
@@ -409,6 +410,8 @@ def _train_language_model(job: Job, device: int, trainer: DeviceTrainer, seed: i
 
 def _train_classifier(job: Job, device: int, trainer: DeviceTrainer, seed: int) -> tuple[dict, int]:
     examples = federated_task(job).train[device]
+    if job.method.procedure.flow is not None:
+        return flow_round(trainer, examples, job.recipe.task.batch_size, seed)
     sampler, per_epoch = epoch_sampler(examples, job.recipe.task.batch_size, seed)
     epochs = job.recipe.federation.local_epochs
     iterations = epochs * per_epoch if epochs else job.recipe.federation.local_iterations

@@ -3,7 +3,8 @@
 users' test splits — CoMiGS Table 2; FDLoRA first fits its fusion weight on the
 validation split), the task metric for classification
 (Hermes Table 1); and FedSoft's and IFCA's centres on each source's own test set
-(FedSoft Tables 1 and 3). Used by the ClientApp every round and by ``ondevice-moe eval``."""
+(FedSoft Tables 1 and 3); Flow's Acc_g, Acc_p and per-instance breakdown (Flow eq. 6–7).
+Used by the ClientApp every round and by ``ondevice-moe eval``."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from torch import nn
 
 from ondevice_moe.federation import device as dev
 from ondevice_moe.federation.job import Job
+from ondevice_moe.methods.flow.metrics import flow_scores
 from ondevice_moe.metrics import LOWER_IS_BETTER, task_score
 from ondevice_moe.routing.fusion import FUSION_BLOCKS, fit_fusion
 from ondevice_moe.training import block_nll, nll_standard_error, perplexity_of, predict
@@ -65,6 +67,10 @@ def _classifier(job: Job, device: int, model: nn.Module) -> dict[str, float]:
     federated = dev.federated_task(job)
     examples = federated.test[device]  # non-empty: build_federated_task checks every client's test share
     task = federated.task
+    flow = job.method.procedure.flow
+    if flow is not None:  # Flow, FedAvgFT: Acc_p, Acc_g and the per-instance breakdown (eq. 6–7)
+        scores = flow_scores(model, flow, examples, job.recipe.task.eval_batch_size)
+        return {"num-examples": len(examples), **{f"user_{device}/{k}": v for k, v in scores.items()}}
     predictions = predict(model, examples, job.recipe.task.eval_batch_size, task.is_regression)
     score = task_score(task.metric, predictions.numpy(), examples.labels.numpy())
     return {"num-examples": len(examples), f"user_{device}/score": reported(task.metric, score)}

@@ -74,6 +74,23 @@ class CentreProcedure:
 
 
 @dataclass(frozen=True)
+class FlowProcedure:
+    """Flow's round (Alg. 1, :mod:`ondevice_moe.methods.flow`): the local copies restart from the
+    global layers, the device's training examples are split in two disjoint halves ζ_ℓ / ζ_g
+    (``local_fraction`` of them in ζ_ℓ, seeded by the round); ``local_epochs`` (K₁) epochs train
+    the local copies on ζ_ℓ (eq. 1); ``global_epochs`` (K₂) epochs on ζ_g alternate, batch by
+    batch, a policy step with the regulariser weight ``gamma`` (γ, eq. 4) and a global step
+    (eq. 5). ``policy``: ``learned`` (Flow), or ``fixed-paths`` (FedAvgFT: the global layers
+    train on ζ_g alone and the personal model is the local path)."""
+
+    gamma: float = 0.01
+    local_epochs: int = 1
+    global_epochs: int = 1
+    local_fraction: float = 0.5
+    policy: Literal["learned", "fixed-paths"] = "learned"
+
+
+@dataclass(frozen=True)
 class Procedure:
     """A device's local work each round.
 
@@ -96,6 +113,7 @@ class Procedure:
     train in their own parameter group at this rate (FLoRAL's code trains θ at
     0.1 beside weights at 0.03 on the synthetic MLP); ``None``: at the experts' rate.
     ``centres``: the round starts from the server's cluster centres (FedSoft, IFCA).
+    ``flow``: Flow's three-phase round (:class:`FlowProcedure`) replaces the expert steps.
     """
 
     routers: Literal["none", "joint", "bilevel"] = "none"
@@ -108,6 +126,7 @@ class Procedure:
     lora_preconditioning: bool = False
     joint_router_lr: float | None = None
     centres: CentreProcedure | None = None
+    flow: FlowProcedure | None = None
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,8 @@ from ondevice_moe.methods.fedsoft import method as fedsoft_methods
 from ondevice_moe.methods.fedsoft.config import FedSoftOptions
 from ondevice_moe.methods.floral import method as floral_methods
 from ondevice_moe.methods.floral.config import FLoRALOptions, LocalAdaptorOptions
+from ondevice_moe.methods.flow import method as flow_methods
+from ondevice_moe.methods.flow.config import FlowOptions
 from ondevice_moe.methods.hermes import baselines as hermes_baselines
 from ondevice_moe.methods.hermes.config import HermesBaselineOptions, HermesOptions
 from ondevice_moe.methods.hermes.method import hermes
@@ -83,6 +85,8 @@ METHODS: dict[str, MethodSpec] = {
     "local-adaptor": MethodSpec(LocalAdaptorOptions, floral_methods.local_adaptor, _ANY, "floral"),
     "fedsoft": MethodSpec(FedSoftOptions, fedsoft_methods.fedsoft, _SMALL, "fedsoft"),
     "ifca": MethodSpec(FedSoftOptions, fedsoft_methods.ifca, _SMALL, "fedsoft"),
+    "flow": MethodSpec(FlowOptions, flow_methods.flow, _SMALL, "flow"),
+    "fedavgft": MethodSpec(FlowOptions, flow_methods.fedavg_ft, _SMALL, "flow"),
 }
 
 

@@ -34,12 +34,14 @@ class SmallOutput:
 
 
 class SmallModel(nn.Module):
-    """A network ``net`` with the HF-style forward: cross-entropy, or MSE when ``regression``."""
+    """A network ``net`` with the HF-style forward: cross-entropy, or MSE when ``regression``;
+    ``input_shape``: one example's shape (Flow's policy network reads the flattened input)."""
 
-    def __init__(self, net: nn.Sequential, regression: bool) -> None:
+    def __init__(self, net: nn.Sequential, regression: bool, input_shape: tuple[int, ...] = ()) -> None:
         super().__init__()
         self.net = net
         self.regression = regression
+        self.input_shape = input_shape
 
     def forward(self, inputs: torch.Tensor, labels: torch.Tensor | None = None) -> SmallOutput:
         logits = self.net(inputs)
@@ -81,7 +83,7 @@ def small_model(
         else:
             widths = (math.prod(input_shape), *(hidden if kind == "mlp" else ()), num_outputs)
             net = nn.Sequential(nn.Flatten(), *_relu_layers(widths, bias))
-    return SmallModel(net, regression)
+    return SmallModel(net, regression, tuple(input_shape))
 
 
 def _relu_layers(widths: Sequence[int], bias: bool) -> list[nn.Module]:

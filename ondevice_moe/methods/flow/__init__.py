@@ -1,0 +1,1 @@
+"""Flow (Panchal et al.): per-instance routing between global and local parameters."""

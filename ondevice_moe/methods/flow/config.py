@@ -1,0 +1,31 @@
+"""Options of Flow and FedAvgFT (Flow §3, §5, App. B).
+
+The recipe's ``flow:`` section sets these for both methods; an entry may override them
+(``{name: flow, gamma: 0}`` is the ablation without the regulariser, §5.3).
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ondevice_moe.methods.base import MethodOptions
+
+
+class FlowSizes(BaseModel):
+    """``gamma``: γ, the weight of the regulariser ``−(γ/L) Σ_j log q_0^(j)`` of eq. 4;
+    ``local_epochs`` / ``global_epochs``: K₁ epochs of the local copies on ζ_ℓ (eq. 1) and K₂
+    epochs of the policy/global alternation on ζ_g (Alg. 1 lines 7–10); ``local_fraction``:
+    the share of the device's training examples in ζ_ℓ (the paper splits them in halves);
+    ``policy_hidden``: the width of each of ψ's base layers (§3, Fig. 1)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    gamma: float = Field(0.01, ge=0)
+    local_epochs: int = Field(1, ge=1)
+    global_epochs: int = Field(1, ge=1)
+    local_fraction: float = Field(0.5, gt=0, lt=1)
+    policy_hidden: int = Field(64, ge=1)
+
+
+class FlowOptions(FlowSizes, MethodOptions):
+    """Flow and FedAvgFT: the ``flow:`` section's values, overridable per entry."""

@@ -1,0 +1,39 @@
+"""Flow and its FedAvgFT baseline as a layout, a procedure and a server rule.
+
+* ``flow`` (Alg. 1): every Linear/Conv2d layer of a small model holds a global copy (shared)
+  and a local copy (private), mixed per instance by the shared policy ψ (layout
+  ``layer-copies``, router ``instance-policy``, eq. 2–3); the round is Flow's three phases
+  (:mod:`ondevice_moe.methods.flow.procedure`); the server averages the global layers and ψ
+  weighted by |ζ_g| (Alg. 1 line 14: the device reports |ζ_g| as its example count).
+* ``fedavgft`` (Tables 2–3, "FedAvg + Finetuning"): the same layout with fixed paths — the
+  global layers train with FedAvg on ζ_g, the local copies are the global model fine-tuned
+  on ζ_ℓ, and the personal model is the local path.
+* FedAvg is ``fed-ft`` (the global model alone).
+"""
+
+from __future__ import annotations
+
+from ondevice_moe.federation.rules import ServerRule
+from ondevice_moe.layout import ExpertSpec, Layout, RouterSpec
+from ondevice_moe.methods.base import FlowProcedure, Method, MethodContext, Procedure, Sharing, same_for_all
+from ondevice_moe.methods.flow.config import FlowOptions
+
+
+def _method(name: str, options: FlowOptions, context: MethodContext, policy: str) -> Method:
+    layout = Layout((ExpertSpec("layer-copy", "private"),), RouterSpec("instance-policy",
+                    policy_hidden=options.policy_hidden), "layer-copies")
+    rounds = FlowProcedure(options.gamma, options.local_epochs, options.global_epochs, options.local_fraction,
+                           policy)
+    procedure = Procedure(routers="bilevel" if policy == "learned" else "none", full_finetune=True, flow=rounds)
+    return Method(name, same_for_all(context.num_users, layout), procedure, ServerRule("num_examples"),
+                  Sharing(share_router=True))
+
+
+def flow(options: FlowOptions, context: MethodContext) -> Method:
+    """Flow: global and local copies of every layer, routed per instance by ψ (Alg. 1)."""
+    return _method("flow" if options.gamma else "flow-no-regulariser", options, context, "learned")
+
+
+def fedavg_ft(options: FlowOptions, context: MethodContext) -> Method:
+    """FedAvgFT: FedAvg of the global layers, and a local fine-tuned copy as the personal model."""
+    return _method("fedavgft", options, context, "fixed-paths")

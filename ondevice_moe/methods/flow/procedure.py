@@ -1,0 +1,99 @@
+"""Flow's round on a device (Alg. 1 lines 5–12), over the trainer's optimisers.
+
+1. ``w_ℓ ← w_g`` (line 5) and the training examples split in disjoint halves ζ_ℓ, ζ_g (line 6);
+2. K₁ epochs of the local copies alone on ζ_ℓ, every instance on the local path (eq. 1, line 7);
+3. K₂ epochs on ζ_g, each batch a policy step on ``CE(w_p) − (γ/L) Σ_j log q_0^(j)`` with the
+   layers fixed (eq. 4, line 9), then a global step on ``CE(w_p)`` with ψ fixed (eq. 5, line 10).
+
+FedAvgFT (``policy="fixed-paths"``) runs the same round with the global step on the global
+path and no policy step: FedAvg on ζ_g plus a fine-tuned local copy.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+import torch
+
+from ondevice_moe.experts.layer_copy import routed_layers
+from ondevice_moe.methods.base import FlowProcedure
+from ondevice_moe.routing.instance_policy import InstancePolicyRouter, instance_policy
+from ondevice_moe.training import Batch, DeviceTrainer
+
+
+@dataclass(frozen=True)
+class ExampleRows:
+    """Some rows of a device's examples, with the same ``len`` / ``batch`` interface."""
+
+    examples: object
+    rows: torch.Tensor
+
+    def __len__(self) -> int:
+        return int(self.rows.numel())
+
+    def batch(self, rows: torch.Tensor) -> Batch:
+        return self.examples.batch(self.rows[rows])
+
+
+def split_halves(count: int, local_fraction: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Disjoint rows ``(ζ_ℓ, ζ_g)`` covering ``range(count)``, ``local_fraction`` of them in ζ_ℓ
+    (Alg. 1 line 6), seeded; each half holds at least one row when ``count ≥ 2``."""
+    order = torch.randperm(count, generator=torch.Generator().manual_seed(zlib.crc32(f"{seed}:flow-split".encode())))
+    cut = min(max(round(local_fraction * count), 1), count - 1) if count >= 2 else count
+    return order[:cut], order[cut:]
+
+
+def epoch_batches(examples, batch_size: int, seed: int, epoch: int) -> list[Batch]:
+    """One epoch of ``examples`` in seeded random batches."""
+    generator = torch.Generator().manual_seed(zlib.crc32(f"{seed}:flow-epoch:{epoch}".encode()))
+    order = torch.randperm(len(examples), generator=generator)
+    return [examples.batch(order[start : start + batch_size]) for start in range(0, len(examples), batch_size)]
+
+
+def _parameter_ids(modules) -> frozenset[int]:
+    return frozenset(id(param) for module in modules for param in module.parameters())
+
+
+def flow_round(trainer: DeviceTrainer, examples, batch_size: int, seed: int) -> tuple[dict[str, float], int]:
+    """One round of Flow (or FedAvgFT) on ``examples``; returns the train metrics and |ζ_g|,
+    the weight of the device's upload (Alg. 1 line 12)."""
+    procedure: FlowProcedure = trainer.method.procedure.flow
+    router = instance_policy(trainer.model)
+    layers = routed_layers(trainer.model)
+    for layer in layers:
+        layer.reset_local()
+    local_rows, global_rows = split_halves(len(examples), procedure.local_fraction, seed)
+    global_ids = _parameter_ids(layer.base for layer in layers)
+    local_ids = _parameter_ids(layer.local for layer in layers)
+    router.path = "local"
+    local_losses = [trainer.expert_step(batch, idle=global_ids)
+                    for epoch in range(procedure.local_epochs)
+                    for batch in epoch_batches(ExampleRows(examples, local_rows), batch_size, seed, epoch)]
+    learned = procedure.policy == "learned"
+    router.path = "policy" if learned else "global"
+    policy_losses, global_losses = [], []
+    global_half = ExampleRows(examples, global_rows)
+    for epoch in range(procedure.global_epochs):
+        for batch in epoch_batches(global_half, batch_size, seed, procedure.local_epochs + epoch):
+            if learned:
+                policy_losses.append(trainer.router_step(batch))
+            global_losses.append(trainer.expert_step(batch, idle=local_ids))
+    router.path = "policy"
+    metrics = {"train_loss_local": _mean(local_losses), "train_loss": _mean(global_losses),
+               "iteration": float(trainer.iteration)}
+    if policy_losses:
+        metrics["router_loss"] = _mean(policy_losses)
+        metrics.update(global_shares(router, global_half))
+    return metrics, len(global_rows)
+
+
+@torch.no_grad()
+def global_shares(router: InstancePolicyRouter, examples) -> dict[str, float]:
+    """``q0_layer_<j>``: the mean soft probability of the global copy at each routed layer."""
+    shares = router.route(examples.batch(torch.arange(len(examples)))["inputs"])
+    return {f"q0_layer_{index}": float(q[:, 0].mean()) for index, q in enumerate(shares)}
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / max(len(values), 1)
