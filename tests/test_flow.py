@@ -105,7 +105,8 @@ def test_a_round_resets_and_trains_the_local_copies_which_never_leave_the_device
     job = Job(load_recipe(TINY_FLOW), 0, Path("."))
     state = RecordDict()
     trainer = dev.restore_trainer(job, 0, None, state)
-    global_before = {n: t.clone() for n, t in trainer.model.state_dict().items() if ".base." in n}
+    global_before = {n: t.clone() for n, t in trainer.model.state_dict().items() if n.startswith("net.")
+                     and ".base." in n}
     metrics, weight = flow_round(trainer, dev.federated_task(job).train[0], job.recipe.task.batch_size, seed=0)
     examples = len(dev.federated_task(job).train[0])
     assert weight == examples - examples // 2 or weight == examples // 2  # |ζ_g| (Alg. 1 line 12)
@@ -150,3 +151,23 @@ def test_flow_personalises_most_clients_on_dirichlet_digits(tmp_path):
                                                     "neither_correct"))
     assert breakdown == pytest.approx(100.0)
     assert "% clients Acc_p > Acc_g" in (tmp_path / "run" / "report.md").read_text()
+
+
+def _global_after_one_round(raw: dict) -> dict[str, torch.Tensor]:
+    job = Job(validate_recipe(raw), 0, Path("."))
+    trainer = dev.restore_trainer(job, 0, None, RecordDict())
+    flow_round(trainer, dev.federated_task(job).train[0], job.recipe.task.batch_size, seed=0)
+    return {n: t.clone() for n, t in trainer.model.state_dict().items() if n.startswith("net.") and ".base." in n}
+
+
+def test_the_codes_global_step_trains_the_global_path_alone_as_fedavgft_does():
+    """``global_step: global-path`` (the authors' code) makes the global layers' round independent
+    of ψ and the local copies, so they end as FedAvgFT's; eq. 5's ``CE(w_p)`` does not."""
+    raw = yaml.safe_load(TINY_FLOW.read_text())
+    rounds = {}
+    for name, options in (("fedavgft", {}), ("code", {"global_step": "global-path"}), ("paper", {})):
+        raw["methods"] = [{"name": "fedavgft" if name == "fedavgft" else "flow", **options}]
+        rounds[name] = _global_after_one_round(raw)
+    for key, tensor in rounds["fedavgft"].items():
+        torch.testing.assert_close(rounds["code"][key], tensor)
+    assert any(not torch.equal(rounds["paper"][key], tensor) for key, tensor in rounds["fedavgft"].items())

@@ -81,13 +81,16 @@ class FlowProcedure:
     the local copies on ζ_ℓ (eq. 1); ``global_epochs`` (K₂) epochs on ζ_g alternate, batch by
     batch, a policy step with the regulariser weight ``gamma`` (γ, eq. 4) and a global step
     (eq. 5). ``policy``: ``learned`` (Flow), or ``fixed-paths`` (FedAvgFT: the global layers
-    train on ζ_g alone and the personal model is the local path)."""
+    train on ζ_g alone and the personal model is the local path). ``global_step``: the global
+    step's loss, ``CE(w_p)`` (``personalised``, eq. 5) or ``CE(w_g)`` on the global path alone
+    (``global-path``, the authors' ``trainers/client_flow.py``)."""
 
     gamma: float = 0.01
     local_epochs: int = 1
     global_epochs: int = 1
     local_fraction: float = 0.5
     policy: Literal["learned", "fixed-paths"] = "learned"
+    global_step: Literal["personalised", "global-path"] = "personalised"
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ def _method(name: str, options: FlowOptions, context: MethodContext, policy: str
     layout = Layout((ExpertSpec("layer-copy", "private"),), RouterSpec("instance-policy",
                     policy_hidden=options.policy_hidden), "layer-copies")
     rounds = FlowProcedure(options.gamma, options.local_epochs, options.global_epochs, options.local_fraction,
-                           policy)
+                           policy, options.global_step)
     procedure = Procedure(routers="bilevel" if policy == "learned" else "none", full_finetune=True, flow=rounds)
     return Method(name, same_for_all(context.num_users, layout), procedure, ServerRule("num_examples"),
                   Sharing(share_router=True))

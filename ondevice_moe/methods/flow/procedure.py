@@ -3,7 +3,8 @@
 1. ``w_ℓ ← w_g`` (line 5) and the training examples split in disjoint halves ζ_ℓ, ζ_g (line 6);
 2. K₁ epochs of the local copies alone on ζ_ℓ, every instance on the local path (eq. 1, line 7);
 3. K₂ epochs on ζ_g, each batch a policy step on ``CE(w_p) − (γ/L) Σ_j log q_0^(j)`` with the
-   layers fixed (eq. 4, line 9), then a global step on ``CE(w_p)`` with ψ fixed (eq. 5, line 10).
+   layers fixed (eq. 4, line 9), then a global step on ``CE(w_p)`` with ψ fixed (eq. 5, line 10;
+   ``global_step="global-path"``: on the global path's own loss, as the authors' code does).
 
 FedAvgFT (``policy="fixed-paths"``) runs the same round with the global step on the global
 path and no policy step: FedAvg on ζ_g plus a fine-tuned local copy.
@@ -71,13 +72,15 @@ def flow_round(trainer: DeviceTrainer, examples, batch_size: int, seed: int) -> 
                     for epoch in range(procedure.local_epochs)
                     for batch in epoch_batches(ExampleRows(examples, local_rows), batch_size, seed, epoch)]
     learned = procedure.policy == "learned"
-    router.path = "policy" if learned else "global"
+    global_path = "policy" if learned and procedure.global_step == "personalised" else "global"
     policy_losses, global_losses = [], []
     global_half = ExampleRows(examples, global_rows)
     for epoch in range(procedure.global_epochs):
         for batch in epoch_batches(global_half, batch_size, seed, procedure.local_epochs + epoch):
             if learned:
+                router.path = "policy"
                 policy_losses.append(trainer.router_step(batch))
+            router.path = global_path
             global_losses.append(trainer.expert_step(batch, idle=local_ids))
     router.path = "policy"
     metrics = {"train_loss_local": _mean(local_losses), "train_loss": _mean(global_losses),
