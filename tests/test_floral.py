@@ -139,7 +139,8 @@ def test_adaptors_are_mixed_by_pi_and_pi_star_is_one_hot():
     x = torch.randn(4, 6, generator=_generator())
     pi = torch.softmax(torch.tensor([0.3, -0.2]), 0)
     out = layer.base(x)
-    expected = out + sum(p * adaptor(x, out) for p, adaptor in zip(pi, layer.adapters.values(), strict=True))
+    residuals = [adaptor["lora"](x) + adaptor["bias"](x, out) for adaptor in layer.adapters.values()]
+    expected = out + sum(p * residual for p, residual in zip(pi, residuals, strict=True))
     torch.testing.assert_close(layer(x), expected)
     optimal = attach_layout(net, Layout(experts, RouterSpec("client-mixture", optimal=1), "every-layer"), seed=0)
     assert optimal.router.mixture().tolist() == [0.0, 1.0]

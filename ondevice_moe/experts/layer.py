@@ -17,7 +17,7 @@ from transformers.pytorch_utils import Conv1D
 
 from ondevice_moe.experts.bias import BiasAdaptor
 from ondevice_moe.experts.conv_lora import ConvForm, ConvLoRA, relative_rank
-from ondevice_moe.experts.lora import LoRA, linear_features
+from ondevice_moe.experts.lora import LoRA, add_gated, linear_features
 from ondevice_moe.experts.norm import NormAdaptor, is_norm
 
 Gate = Callable[[], torch.Tensor]
@@ -41,10 +41,20 @@ class AdaptorKinds:
 class LayerAdaptor(nn.ModuleDict):
     """One expert's adaptors on one layer (``lora``, ``bias``, ``norm``), zero-effect at init."""
 
-    def forward(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        residual = torch.zeros((), dtype=out.dtype, device=out.device)
+    @property
+    def low_rank(self) -> LoRA | None:
+        """The expert's LoRA on a linear layer, which :class:`AdaptedLayer` mixes with the
+        other experts' in rank space; ``None`` when the layer has none (or a ConvLoRA)."""
+        piece = dict(self.items()).get("lora")  # nn.ModuleDict has no get()
+        return piece if isinstance(piece, LoRA) else None
+
+    def forward(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor | None:
+        """The residual of every piece but :attr:`low_rank`; ``None`` when there is no other piece."""
+        residual = None
         for name, piece in self.items():
-            residual = residual + (piece(x) if name == "lora" else piece(x, out))
+            if piece is not self.low_rank:
+                term = piece(x) if name == "lora" else piece(x, out)
+                residual = term if residual is None else residual + term
         return residual
 
 
@@ -81,9 +91,15 @@ class AdaptedLayer(nn.Module):
         self.gates[name] = gate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.base(x)
+        base = self.base(x)
+        gates = {name: self.gates[name]() for name in self.adapters}
+        low_rank = [(adaptor.low_rank, gates[name]) for name, adaptor in self.adapters.items()
+                    if adaptor.low_rank is not None]
+        out = add_gated(base, x, low_rank) if low_rank else base
         for name, adaptor in self.adapters.items():
-            out = out + self.gates[name]().to(out.dtype) * adaptor(x, out)
+            residual = adaptor(x, base)
+            if residual is not None:
+                out = out + gates[name].to(out.dtype) * residual
         return out
 
 

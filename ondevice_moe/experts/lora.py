@@ -9,7 +9,7 @@ user's experts export to PEFT's file format without transposes.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -86,6 +86,24 @@ class LoRA(nn.Module):
         return self.add_codes(out, self.codes(x, weight))
 
 
+def add_gated(out: torch.Tensor, x: torch.Tensor, experts: Sequence[tuple[LoRA, torch.Tensor | None]]
+              ) -> torch.Tensor:
+    """``out + Σ_e w_e·γ_e·B_e(A_e x)`` for gated LoRA experts on one layer, in one matrix product.
+
+    The experts' rank-space codes side by side times their ``B``s side by side
+    is one LoRA of rank ``Σ r_e``: the full-size output is passed over once,
+    not once per expert (FLoRAL mixes C adaptors on every layer; Hermes and
+    CoMiGS several experts per projection)."""
+    if len(experts) == 1:
+        lora, weight = experts[0]
+        return lora.add_to(out, x, weight)
+    codes = torch.cat([lora.codes(x, weight) for lora, weight in experts], dim=-1)
+    ups = torch.cat([lora.lora_B for lora, _ in experts], dim=1)
+    flat = out.reshape(-1, out.shape[-1])
+    summed = torch.addmm(flat, codes.reshape(-1, codes.shape[-1]).to(out.dtype), ups.t().to(out.dtype))
+    return summed.reshape(out.shape)
+
+
 class LoRAAdaptedLinear(nn.Module):
     """A frozen linear layer plus its LoRA adapters, keyed by expert name.
 
@@ -109,6 +127,6 @@ class LoRAAdaptedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
-        for name, adapter in self.adapters.items():
-            out = adapter.add_to(out, x, self.gates[name]() if name in self.gates else None)
-        return out
+        gated = [(adapter, self.gates[name]() if name in self.gates else None)
+                 for name, adapter in self.adapters.items()]
+        return add_gated(out, x, gated) if gated else out
