@@ -15,6 +15,9 @@ assignment with the best total score (centre indices are arbitrary, Table 1's "c
 indices are assigned randomly"), then per source the matched centre's score, the other
 centres' mean, and in how many runs the matched centre is the best on that source.
 
+For methods with a global and a personalised model (Flow, FedAvgFT) it also prints
+Acc_g, Acc_p, the % of clients with Acc_p > Acc_g and the per-instance breakdown over runs.
+
 For language modelling it also prints the standard error of each user's mean
 test NLL over the test blocks (mean over users and runs): a 1 % perplexity
 gap is a NLL gap of 0.01, so one run resolves it only when this is well under 0.01.
@@ -143,6 +146,26 @@ def centre_table(summaries: list[dict]) -> str:
     return "\n".join(lines)
 
 
+PERSONALISATION_COLUMNS = {"Acc_g": "mean_score_global", "Acc_p": "mean_score",
+                           "% clients Acc_p > Acc_g": "benefiting_pct", "global only": "mean_global_only",
+                           "personalised only": "mean_personal_only", "both": "mean_both_correct",
+                           "neither": "mean_neither_correct"}
+
+
+def personalisation_table(summaries: list[dict]) -> str:
+    """Flow Tables 2–3 over runs: per method with a global and a personalised model, the
+    clients' mean Acc_g and Acc_p (eq. 6–7), the % of clients with Acc_p > Acc_g and the
+    per-instance breakdown, each mean (std) over runs."""
+    header = ["method", *PERSONALISATION_COLUMNS]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for method in _common_methods(summaries):
+        entries = [s["methods"][method] for s in summaries]
+        if all("benefiting_pct" in e for e in entries):
+            cells = [_spread([e[key] for e in entries]) for key in PERSONALISATION_COLUMNS.values()]
+            lines.append(f"| {method} | {' | '.join(cells)} |")
+    return "\n".join(lines)
+
+
 def _mean_standard_error(entries: list[dict], key: str) -> str:
     errors = [user[f"nll_se_{key}"] for e in entries for user in e["per_user"].values() if f"nll_se_{key}" in user]
     return f"{statistics.fmean(errors):.3f}" if errors else "–"
@@ -204,6 +227,9 @@ def main(argv: list[str]) -> None:
     if any("centres" in m for m in summaries[0]["methods"].values()):
         print()
         print(centre_table(summaries))
+    if any("benefiting_pct" in m for m in summaries[0]["methods"].values()):
+        print()
+        print(personalisation_table(summaries))
     if args.against:
         print()
         print(paired_table(summaries, args.against))

@@ -89,3 +89,12 @@ def test_centres_are_matched_to_sources_before_they_are_averaged_over_runs():
     table = seed_table.centre_table(summaries).splitlines()
     assert table[2] == "| fedsoft | θ_0 | 11.00 (1.41) | 75.00 (7.07) | 2 of 2 |"
     assert table[3] == "| fedsoft | θ_1 | 25.00 (7.07) | 75.00 (21.21) | 2 of 2 |"
+
+
+def test_personalisation_table_averages_flow_columns_over_runs():
+    columns = seed_table.PERSONALISATION_COLUMNS.values()
+    runs = [{"users": ["a"], "methods": {"flow": {key: base + offset for offset, key in enumerate(columns)},
+                                         "fedavg": {"mean_score": 50.0}}} for base in (10.0, 20.0)]
+    lines = seed_table.personalisation_table(runs).splitlines()
+    assert len(lines) == 3  # header, rule, flow (fedavg has no global/personalised pair)
+    assert lines[2] == "| flow | " + " | ".join(f"{15.0 + i:.2f} (7.07)" for i in range(len(columns))) + " |"
