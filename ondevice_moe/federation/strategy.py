@@ -150,8 +150,9 @@ class SlotStrategy(Strategy):
         self.slots = unpack_slots(arrays, self.rule.initial_slots())
         sampled = sample_devices(len(self.nodes), self.per_round, self.job.recipe.seed, server_round)
         messages = [self._message(device, MessageType.TRAIN, server_round, final=False) for device in sampled]
-        self._round = {"started": time.perf_counter(), "sampled": sampled,
-                       "bytes_down": sum(_record_bytes(m.content["arrays"]) for m in messages)}
+        sent = {device: _record_bytes(m.content["arrays"]) for device, m in zip(sampled, messages, strict=True)}
+        self._round = {"started": time.perf_counter(), "sampled": sampled, "sent": sent,
+                       "bytes_down": sum(sent.values())}
         return messages
 
     def aggregate_train(self, server_round: int,
@@ -169,7 +170,8 @@ class SlotStrategy(Strategy):
             bytes_up += size
             bytes_up_other += sum(t.nbytes for name, t in update.tensors.items() if not is_expert_tensor(name))
             self.log.write({"method": self.job.method.name, "round": server_round, "kind": "train",
-                            "user": self._user(device), **metrics})
+                            "user": self._user(device), **metrics,
+                            "bytes_up": size, "bytes_down": self._round["sent"][device]})
         self._record_drops(server_round, "train", drops)
         if len(sound) < self.federation.min_clients:
             reasons = "; ".join(f"device {d}: {why}" for d, why in sorted(drops.items()))
