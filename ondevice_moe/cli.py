@@ -135,6 +135,36 @@ def _print_summary(summary: dict) -> None:
             console.print(f"[yellow]dropped:[/] {escape(name)}: {escape(users)} (see report.md)")
 
 
+@app.command("inspect")
+def inspect_routing(
+    run: Annotated[Path, typer.Argument(help="A run folder written by `ondevice-moe finetune`.")],
+    method: Annotated[str, typer.Option(help="A method of the run, e.g. comigs-1G1S or hermes.")],
+    user: Annotated[str, typer.Option(help="A user of the run (its device's model is inspected).")],
+    to: Annotated[Path, typer.Option(help="The HTML page to write; its PNGs go beside it (OUT_*.png).")],
+    text: Annotated[str | None, typer.Option(help="Text to route (default: the start of the user's test split).")
+                    ] = None,
+    file: Annotated[Path | None, typer.Option(help="A UTF-8 text file to route instead of --text.")] = None,
+) -> None:
+    """Write a page of a user's routing: tokens coloured by expert per layer, scores and bytes over rounds."""
+    from ondevice_moe.inspect import write_inspection
+
+    try:
+        source = "your text"
+        if text is not None and file is not None:
+            raise UserError("both --text and --file given", "pass one of them (or neither, for the user's test split)")
+        if file is not None:
+            source = f"file {file}"
+            try:
+                text = file.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as error:
+                raise UserError(f"cannot read --file {file} ({getattr(error, 'strerror', None) or error})",
+                                "pass a readable UTF-8 text file") from None
+        written = write_inspection(run, method, user, text, to, source)
+    except UserError as error:
+        _fail(error)
+    console.print("wrote " + ", ".join(str(path) for path in written))
+
+
 @recipes_app.command("list")
 def list_recipes() -> None:
     """List the bundled recipes with their descriptions."""

@@ -1,0 +1,53 @@
+"""The tokens a page shows: the user's text or file, or the start of the user's own test split."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ondevice_moe.errors import UserError
+from ondevice_moe.federation import device as dev
+from ondevice_moe.run_model import UserModel
+
+
+@dataclass(frozen=True)
+class PageText:
+    """Token ids, each token as text, and a sentence saying where they came from."""
+
+    input_ids: torch.Tensor
+    tokens: list[str]
+    source: str
+
+
+def page_text(opened: UserModel, text: str | None, source: str = "your text") -> PageText:
+    """``text`` tokenized as the run tokenized its data (cut to the run's context), or, when
+    ``text`` is ``None``, the first test block (language modelling) or test example
+    (classification) of the user. A small-model task has no text: a :class:`UserError`."""
+    recipe, job = opened.recipe, opened.job
+    if recipe.task is not None and not recipe.task.spec().is_text:
+        raise UserError(f"run '{recipe.name}' is a {recipe.task.name} task without text: there are no tokens to colour",
+                        "inspect a language-modelling or text-classification run")
+    tokenizer = dev.job_base_model(job).tokenizer
+    limit = recipe.data.context_length if recipe.is_language_modelling else recipe.task.max_length
+    user = recipe.user_names.index(opened.user)
+    if text is None:
+        if recipe.is_language_modelling:
+            ids = dev.user_data(job, user).test[0]
+            what = f"the first test block of user {opened.user} ({len(ids)} tokens)"
+        else:
+            examples = dev.federated_task(job).test[user]
+            ids = examples.input_ids[0][examples.attention_mask[0].bool()]
+            what = f"the first test example of user {opened.user} ({len(ids)} tokens)"
+        return PageText(ids, _pieces(tokenizer, ids), f"No text given: {what}.")
+    if not text.strip():
+        raise UserError(f"{source} is empty", "pass some text with --text \"...\" or a non-empty --file")
+    encoded = tokenizer(text, add_special_tokens=not recipe.is_language_modelling)["input_ids"]
+    ids = torch.tensor(encoded[:limit], dtype=torch.long)
+    cut = f", cut to the run's {limit}-token context" if len(encoded) > limit else ""
+    return PageText(ids, _pieces(tokenizer, ids), f"{source[:1].upper()}{source[1:]} ({len(ids)} tokens{cut}).")
+
+
+def _pieces(tokenizer, ids: torch.Tensor) -> list[str]:
+    """Each token decoded on its own."""
+    return [tokenizer.decode([int(i)]) for i in ids]
