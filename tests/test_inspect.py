@@ -14,13 +14,16 @@ from ondevice_moe.errors import UserError
 from ondevice_moe.federation import device as dev
 from ondevice_moe.federation.job import Job
 from ondevice_moe.inspect import write_inspection
+from ondevice_moe.inspect.capture import capture_token_routing, client_weights, routes_tokens
 from ondevice_moe.inspect.plots import expert_colours
 from ondevice_moe.inspect.rounds import device_bytes, score_grid
 from ondevice_moe.inspect.text import page_text
+from ondevice_moe.layout import ExpertSpec, Layout, RouterSpec, attach_layout
 from ondevice_moe.mixture import mixtures
 from ondevice_moe.recipe import load_recipe
 from ondevice_moe.report import MetricsLog
 from ondevice_moe.routing import client_mixture
+from ondevice_moe.routing.block import BlockRouter
 from ondevice_moe.run_model import UserModel, open_user_model
 from ondevice_moe.runner import run_recipe
 
@@ -72,6 +75,18 @@ def test_token_colours_are_the_routers_argmax_per_layer(tiny_run, tmp_path):
     assert "shared_0: lora, shared" in page and "private_0: lora, private" in page
     assert "http" not in page.replace("http-equiv", "")  # self-contained: no link to anything
     assert page.count("data:image/png;base64,") == 3
+
+
+def test_hermes_block_routers_are_captured_per_token(tiny_model, tokens):
+    layout = Layout(experts=(ExpertSpec("lora", "shared"), ExpertSpec("adapter", "shared"),
+                             ExpertSpec("lora", "private")), router=RouterSpec(kind="hermes"), mixing="block")
+    model = attach_layout(tiny_model, layout, seed=0).eval()
+    assert routes_tokens(model) and client_weights(model) is None
+    routing = capture_token_routing(model, tokens[0], [str(t) for t in tokens[0].tolist()], layout.expert_names)
+    recorded = [router.current[0] for router in model.modules() if isinstance(router, BlockRouter)]
+    assert routing.weights.shape == (len(recorded), tokens.shape[1], 3)
+    assert all(torch.allclose(torch.from_numpy(w), r.float()) for w, r in zip(routing.weights, recorded, strict=True))
+    assert (routing.weights > 0).sum(axis=-1).max() == 2  # Hermes's top-2 of 3
 
 
 def test_heat_map_numbers_are_the_logged_scores(tiny_run, tmp_path):

@@ -16,7 +16,6 @@ import torch
 from torch import nn
 
 from ondevice_moe.layout import routing_sites
-from ondevice_moe.mixture import MixtureMLP
 from ondevice_moe.routing import ClientRouter, Routing, TokenTopKRouter, client_mixture
 from ondevice_moe.routing.hermes import HermesRouter
 
@@ -39,7 +38,7 @@ class TokenRouting:
 
 def site_routers(model: nn.Module) -> list[nn.Module]:
     """The router of every routing site (MLP mixtures and block routers), in depth order."""
-    return [site.router if isinstance(site, MixtureMLP) else site.router.router for site in routing_sites(model)]
+    return [site.router for site in routing_sites(model)]
 
 
 def routes_tokens(model: nn.Module) -> bool:

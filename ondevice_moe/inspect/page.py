@@ -20,7 +20,8 @@ h1{font-size:1.4em}h2{font-size:1.15em;margin-top:1.6em;border-bottom:1px solid 
 .legend span.key{display:inline-block;margin:0 1em .3em 0;padding:.1em .5em;border-radius:3px;color:#fff}
 .layer{display:flex;align-items:baseline;margin:.15em 0}
 .layer b{flex:0 0 5.5em;font-size:.8em;color:#555}
-.tokens{font-family:ui-monospace,monospace;font-size:.82em;white-space:pre-wrap;line-height:1.55}
+.tokens{font-family:ui-monospace,monospace;font-size:.82em;white-space:pre-wrap;overflow-wrap:anywhere;
+line-height:1.55}
 .t{border-radius:2px}
 table{border-collapse:collapse;font-size:.8em}td,th{border:1px solid #ddd;padding:.15em .45em;text-align:right}
 .bar{display:inline-block;height:1em;vertical-align:middle}

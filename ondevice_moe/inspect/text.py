@@ -49,5 +49,12 @@ def page_text(opened: UserModel, text: str | None, source: str = "your text") ->
 
 
 def _pieces(tokenizer, ids: torch.Tensor) -> list[str]:
-    """Each token decoded on its own."""
-    return [tokenizer.decode([int(i)]) for i in ids]
+    """Each token's share of the decoded text, so the pieces read as the text does (WordPiece's
+    spaces between words included); a token whose share is not a clean suffix (part of a
+    multi-byte character) is decoded on its own."""
+    pieces, before = [], ""
+    for end in range(1, len(ids) + 1):
+        text = tokenizer.decode(ids[:end].tolist())
+        pieces.append(text[len(before):] if text.startswith(before) else tokenizer.decode([int(ids[end - 1])]))
+        before = text
+    return pieces
