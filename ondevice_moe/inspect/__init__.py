@@ -10,6 +10,7 @@ that do not choose (uniform, one expert) are said to have nothing to show.
 from __future__ import annotations
 
 import os
+from html import escape
 from pathlib import Path
 
 from ondevice_moe.errors import UserError
@@ -25,7 +26,7 @@ from ondevice_moe.inspect.page import (
     token_rows,
 )
 from ondevice_moe.inspect.plots import expert_colours, plot_device_bytes, plot_score_grid, plot_token_grid
-from ondevice_moe.inspect.rounds import device_bytes, score_grid
+from ondevice_moe.inspect.rounds import PI_ROW, device_bytes, score_grid
 from ondevice_moe.inspect.text import page_text
 from ondevice_moe.report import MetricsLog
 from ondevice_moe.routing.instance_policy import instance_policy
@@ -54,9 +55,11 @@ def write_inspection(run_dir: Path, method: str, user: str, text: str | None, ou
     experts = [Expert(name, spec.kind, spec.role, colours[name])
                for name, spec in zip(names, layout.experts if layout else (), strict=True)]
     pngs: list[Path] = []
-    sections = [f"<h1>Routing of {method} for user {user}</h1>",
-                f'<p class="note">Run {run_dir} (recipe {opened.recipe.name}, model {opened.recipe.model.name}); '
-                f"user {user} trains on device {opened.device}.</p>", legend(experts) if experts else ""]
+    recipe = opened.recipe
+    sections = [f"<h1>Routing of {escape(method)} for user {escape(user)}</h1>",
+                f'<p class="note">Run {escape(str(run_dir))} (recipe {escape(recipe.name)}, model '
+                f"{escape(recipe.model.name)}); user {escape(user)} trains on device {opened.device}.</p>",
+                legend(experts) if experts else ""]
     sections += _routing_section(opened, text, text_source, experts, out, pngs)
     records = MetricsLog(Path(run_dir) / "metrics.jsonl").read()
     grid = score_grid(records, method, user, names)
@@ -66,8 +69,9 @@ def write_inspection(run_dir: Path, method: str, user: str, text: str | None, ou
     else:
         path = plot_score_grid(grid, f"{method}, user {user}: mean routing weight per layer and round",
                                _png(out, "scores", pngs))
-        sections += ['<p class="note">CoMiGS Fig. 4/8: rows are layers, columns rounds; the colour is the mean '
-                     "routing weight the expert took at that layer over the round's local iterations "
+        what = ("the device's π after the round" if grid.layers == [PI_ROW] else "the mean routing weight the "
+                "expert took at that layer over the round's local iterations")
+        sections += [f'<p class="note">CoMiGS Fig. 4/8: rows are layers, columns rounds; the colour is {what} '
                      f"(from metrics.jsonl): white is an even split (1/{len(grid.experts)}), red more, blue less.</p>",
                      image(path, "expert scores"), score_table(grid)]
     traffic = device_bytes(records, method, user)
@@ -105,8 +109,9 @@ def _routing_section(opened: UserModel, text: str | None, text_source: str, expe
     if instance_policy(model) is not None:
         raise UserError(f"{opened.job.method.name} routes per instance of a small task, not per token",
                         "inspect a method with per-token routing (CoMiGS, Hermes) or FLoRAL's π")
-    why = "it holds a single expert" if len(experts) <= 1 else "its router mixes every expert with fixed weights"
-    return [*sections, f'<p class="note">No routing to show for {opened.job.method.name}: {why}.</p>']
+    why = ("it has no experts" if not experts else "it holds a single expert" if len(experts) == 1
+           else "its router mixes every expert with fixed weights")
+    return [*sections, f'<p class="note">No routing to show for {escape(opened.job.method.name)}: {why}.</p>']
 
 
 def _png(out: Path, what: str, pngs: list[Path]) -> Path:

@@ -17,6 +17,7 @@ import numpy as np
 
 SCORE_KEY = re.compile(r"layer_(\d+)/expert_(.+)_score")
 PI_KEY = re.compile(r"pi_(\d+)")
+PI_ROW = "π (all layers)"
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,7 @@ def score_grid(records: list[dict], method: str, user: str, experts: list[str]) 
         labels = [f"layer {layer}" for layer in layers]
     elif pis:
         keys = [[f"pi_{index}"] for index in pis]
-        labels = ["π (all layers)"]
+        labels = [PI_ROW]
     else:
         return None
     scores = np.array([[[r.get(key, np.nan) if key else np.nan for r in trains] for key in row] for row in keys],
