@@ -14,7 +14,12 @@ from ondevice_moe.errors import UserError
 from ondevice_moe.federation import device as dev
 from ondevice_moe.federation.job import Job
 from ondevice_moe.inspect import write_inspection
-from ondevice_moe.inspect.capture import capture_token_routing, client_weights, routes_tokens
+from ondevice_moe.inspect.capture import (
+    capture_instance_policy,
+    capture_token_routing,
+    client_weights,
+    routes_tokens,
+)
 from ondevice_moe.inspect.plots import expert_colours
 from ondevice_moe.inspect.rounds import device_bytes, score_grid
 from ondevice_moe.inspect.text import page_text
@@ -24,6 +29,7 @@ from ondevice_moe.recipe import load_recipe
 from ondevice_moe.report import MetricsLog
 from ondevice_moe.routing import client_mixture
 from ondevice_moe.routing.block import BlockRouter
+from ondevice_moe.routing.instance_policy import instance_policy
 from ondevice_moe.run_model import UserModel, open_user_model
 from ondevice_moe.runner import run_recipe
 
@@ -87,6 +93,22 @@ def test_hermes_block_routers_are_captured_per_token(tiny_model, tokens):
     assert routing.weights.shape == (len(recorded), tokens.shape[1], 3)
     assert all(torch.allclose(torch.from_numpy(w), r.float()) for w, r in zip(routing.weights, recorded, strict=True))
     assert (routing.weights > 0).sum(axis=-1).max() == 2  # Hermes's top-2 of 3
+
+
+def test_flows_policy_is_read_per_instance_and_layer():
+    recipe = load_recipe(RECIPES / "tiny-flow.yaml")
+    model = dev.build_model(Job(recipe, 0, Path()), 0).eval()
+    inputs = torch.rand((5, *recipe.task.spec().input_shape), generator=torch.Generator().manual_seed(0))
+    q0 = capture_instance_policy(model, inputs)
+    expected = instance_policy(model).route(inputs)
+    assert q0.shape == (len(expected), 5)
+    assert all(torch.allclose(torch.from_numpy(row), q[:, 0]) for row, q in zip(q0, expected, strict=True))
+    records = [{"method": "flow", "kind": "train", "user": "client_0", "round": r, "q0_layer_0": 0.1 * r,
+                "q0_layer_1": 0.2 * r} for r in (2, 1)]
+    grid = score_grid(records, "flow", "client_0", ["private_0"])
+    assert grid.experts == ["global", "local"] and grid.rounds == [1, 2]
+    assert grid.scores[0].tolist() == [[0.1, 0.2], [0.2, 0.4]]
+    assert torch.allclose(torch.from_numpy(grid.scores[1]), torch.tensor([[0.9, 0.8], [0.8, 0.6]], dtype=torch.float64))
 
 
 def test_heat_map_numbers_are_the_logged_scores(tiny_run, tmp_path):

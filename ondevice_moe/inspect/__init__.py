@@ -3,7 +3,8 @@
 The page shows, for one method and user of a finished run: the tokens of a text coloured
 by the expert each layer's router chose (CoMiGS Fig. 6–7), each expert's score per layer
 over the rounds (CoMiGS Fig. 4/8) and the bytes the user's device sent and received per
-round. Client-level routers (FLoRAL's π, FDLoRA) are drawn as one bar per layer; routers
+round. Client-level routers (FLoRAL's π, FDLoRA) are drawn as one bar per layer, Flow's
+per-instance policy as its probability of the global copy per instance and layer; routers
 that do not choose (uniform, one expert) are said to have nothing to show.
 """
 
@@ -14,7 +15,12 @@ from html import escape
 from pathlib import Path
 
 from ondevice_moe.errors import UserError
-from ondevice_moe.inspect.capture import capture_token_routing, client_weights, routes_tokens
+from ondevice_moe.inspect.capture import (
+    capture_instance_policy,
+    capture_token_routing,
+    client_weights,
+    routes_tokens,
+)
 from ondevice_moe.inspect.page import (
     Expert,
     bytes_table,
@@ -25,9 +31,15 @@ from ondevice_moe.inspect.page import (
     score_table,
     token_rows,
 )
-from ondevice_moe.inspect.plots import expert_colours, plot_device_bytes, plot_score_grid, plot_token_grid
-from ondevice_moe.inspect.rounds import PI_ROW, device_bytes, score_grid
-from ondevice_moe.inspect.text import page_text
+from ondevice_moe.inspect.plots import (
+    expert_colours,
+    plot_device_bytes,
+    plot_instance_policy,
+    plot_score_grid,
+    plot_token_grid,
+)
+from ondevice_moe.inspect.rounds import FLOW_EXPERTS, PI_ROW, device_bytes, score_grid
+from ondevice_moe.inspect.text import page_instances, page_text
 from ondevice_moe.report import MetricsLog
 from ondevice_moe.routing.instance_policy import instance_policy
 from ondevice_moe.run_model import UserModel, open_user_model
@@ -69,8 +81,9 @@ def write_inspection(run_dir: Path, method: str, user: str, text: str | None, ou
     else:
         path = plot_score_grid(grid, f"{method}, user {user}: mean routing weight per layer and round",
                                _png(out, "scores", pngs))
-        what = ("the device's π after the round" if grid.layers == [PI_ROW] else "the mean routing weight the "
-                "expert took at that layer over the round's local iterations")
+        what = ("the device's π after the round" if grid.layers == [PI_ROW] else
+                "the mean probability q of each copy of the layer on the round's data" if grid.experts == FLOW_EXPERTS
+                else "the mean routing weight the expert took at that layer over the round's local iterations")
         sections += [f'<p class="note">CoMiGS Fig. 4/8: rows are layers, columns rounds; the colour is {what} '
                      f"(from metrics.jsonl): white is an even split (1/{len(grid.experts)}), red more, blue less.</p>",
                      image(path, "expert scores"), score_table(grid)]
@@ -107,8 +120,14 @@ def _routing_section(opened: UserModel, text: str | None, text_source: str, expe
         return [*sections, f'<p class="note">Client-level routing: {what}. No text is needed.</p>',
                 client_bars(weights, experts)]
     if instance_policy(model) is not None:
-        raise UserError(f"{opened.job.method.name} routes per instance of a small task, not per token",
-                        "inspect a method with per-token routing (CoMiGS, Hermes) or FLoRAL's π")
+        inputs, labels, source = page_instances(opened)
+        q0 = capture_instance_policy(model, inputs)
+        path = plot_instance_policy(q0, [f"y={int(y)}" for y in labels], _png(out, "policy", pngs))
+        hard = ", ".join(f"layer {j}: {100 * float((row >= 0.5).mean()):.0f}%" for j, row in enumerate(q0))
+        return [*sections, f'<p class="note">{escape(source)} Flow routes each instance, not each token: per '
+                "routed layer, ψ gives the probability q of the global copy (Flow eq. 2); at inference the hard "
+                f"policy round(q) picks one copy. Instances on the global copy: {hard}.</p>",
+                image(path, "Flow's policy per instance")]
     why = ("it has no experts" if not experts else "it holds a single expert" if len(experts) == 1
            else "its router mixes every expert with fixed weights")
     return [*sections, f'<p class="note">No routing to show for {escape(opened.job.method.name)}: {why}.</p>']

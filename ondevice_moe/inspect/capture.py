@@ -4,6 +4,8 @@ Per-token routers (CoMiGS's ``token-topk``, Hermes's dual-view router) give ever
 weight per expert at every routing site; the page colours each token by the expert with the
 largest weight (CoMiGS Fig. 6–7). Client-level routers (FLoRAL's ``client-mixture``,
 FDLoRA's fitted weights) give one vector per device, the same for every token.
+Flow's ``instance-policy`` router gives each instance of a small task a probability ``q_0`` of
+the global copy at every routed layer (Flow eq. 2), which the router keeps after each pass.
 The model runs once, as it always does: the hooks only read each router's output.
 """
 
@@ -18,6 +20,7 @@ from torch import nn
 from ondevice_moe.layout import routing_sites
 from ondevice_moe.routing import ClientRouter, Routing, TokenTopKRouter, client_mixture
 from ondevice_moe.routing.hermes import HermesRouter
+from ondevice_moe.routing.instance_policy import GLOBAL, instance_policy
 
 TOKEN_ROUTERS = (TokenTopKRouter, HermesRouter)
 
@@ -77,3 +80,12 @@ def client_weights(model: nn.Module) -> dict[str, list[float]] | None:
     if routers and all(isinstance(router, ClientRouter) for router in routers):
         return {f"layer {index}": [float(w) for w in router.mix] for index, router in enumerate(routers)}
     return None
+
+
+@torch.no_grad()
+def capture_instance_policy(model: nn.Module, inputs: torch.Tensor) -> np.ndarray:
+    """``q_0[layer, instance]``: Flow's soft probability of the global copy (eq. 2) per routed
+    layer, read from the router after one forward pass over ``inputs``."""
+    router = instance_policy(model)
+    model(inputs=inputs.to(next(model.parameters()).device))
+    return torch.stack([q[:, GLOBAL] for q in router.last_q]).float().cpu().numpy()

@@ -1,5 +1,6 @@
 """The page's pictures as PNG files: expert scores per layer over rounds (CoMiGS Fig. 4/8),
-the chosen expert per token and layer (CoMiGS Fig. 6–7), a device's bytes over rounds."""
+the chosen expert per token and layer (CoMiGS Fig. 6–7), Flow's policy per instance and
+layer, a device's bytes over rounds."""
 
 from __future__ import annotations
 
@@ -63,6 +64,19 @@ def plot_token_grid(routing: TokenRouting, colours: dict[str, str], path: Path) 
     handles = [plt.Rectangle((0, 0), 1, 1, color=colours[name]) for name in routing.experts]
     axis.legend(handles, routing.experts, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
     axis.set_title("expert with the largest routing weight, per layer and token", fontsize=9)
+    return _save(figure, path)
+
+
+def plot_instance_policy(q0: np.ndarray, labels: list[str], path: Path) -> Path:
+    """Flow's ``q_0`` (the global copy's probability) per routed layer (rows) and instance (columns)."""
+    layers, instances = q0.shape
+    figure, axis = plt.subplots(figsize=(min(max(6.0, 2.5 + 0.22 * instances), 18), 1.6 + 0.3 * layers))
+    image = axis.imshow(q0, vmin=0.0, vmax=1.0, cmap="RdBu_r", aspect="auto", interpolation="nearest")
+    axis.set_xticks(range(instances), labels, rotation=90, fontsize=7)
+    axis.set_yticks(range(layers), [f"layer {layer}" for layer in range(layers)], fontsize=7)
+    axis.set_xlabel("test instance (label)", fontsize=8)
+    figure.colorbar(image, ax=axis, label="q of the global copy")
+    axis.set_title("Flow's policy: red takes the global copy, blue the local one", fontsize=9)
     return _save(figure, path)
 
 

@@ -3,7 +3,8 @@
 
 Each round, every device's ``train`` record holds ``layer_<l>/expert_<name>_score``: the mean
 routing weight of each expert at layer ``l`` over the round's iterations (for a per-token
-router, the share of routing mass the expert took), and FLoRAL's ``pi_<c>``. Since this
+router, the share of routing mass the expert took), FLoRAL's ``pi_<c>`` and Flow's
+``q0_layer_<j>`` (the mean probability of the global copy of layer ``j``). Since this
 feature, the record also holds the device's ``bytes_up`` and ``bytes_down`` of the round;
 runs made before only have the ``comm`` records' totals over all devices.
 """
@@ -18,6 +19,8 @@ import numpy as np
 SCORE_KEY = re.compile(r"layer_(\d+)/expert_(.+)_score")
 PI_KEY = re.compile(r"pi_(\d+)")
 PI_ROW = "π (all layers)"
+Q0_KEY = re.compile(r"q0_layer_(\d+)")
+FLOW_EXPERTS = ["global", "local"]
 
 
 @dataclass(frozen=True)
@@ -48,12 +51,17 @@ def train_records(records: list[dict], method: str, user: str) -> list[dict]:
 
 
 def score_grid(records: list[dict], method: str, user: str, experts: list[str]) -> ScoreGrid | None:
-    """Each expert's score per layer and round (CoMiGS Fig. 4/8), or FLoRAL's ``π`` per round as
-    one row ``π (all layers)``; ``None`` when the records hold neither."""
+    """Each expert's score per layer and round (CoMiGS Fig. 4/8), FLoRAL's ``π`` per round as
+    one row ``π (all layers)``, or Flow's global and local shares per layer; ``None`` when the
+    records hold none of them."""
     trains = train_records(records, method, user)
     rounds = [r["round"] for r in trains]
     by_layer = {(int(m[1]), m[2]): key for r in trains for key in r if (m := SCORE_KEY.fullmatch(key))}
     pis = sorted({int(m[1]) for r in trains for key in r if (m := PI_KEY.fullmatch(key))})
+    q0 = sorted({int(m[1]) for r in trains for key in r if (m := Q0_KEY.fullmatch(key))})
+    if q0:  # Flow: the global copy's q_0 and the local copy's 1 - q_0
+        global_share = np.array([[r.get(f"q0_layer_{j}", np.nan) for r in trains] for j in q0], dtype=float)
+        return ScoreGrid(FLOW_EXPERTS, [f"layer {j}" for j in q0], rounds, np.stack([global_share, 1 - global_share]))
     if by_layer:
         layers = sorted({layer for layer, _ in by_layer})
         keys = [[by_layer.get((layer, name)) for layer in layers] for name in experts]

@@ -1,4 +1,5 @@
-"""The tokens a page shows: the user's text or file, or the start of the user's own test split."""
+"""What a page routes: the user's text or file, or the start of the user's own test split
+(its first instances, for Flow's per-instance policy on a small task)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import torch
 from ondevice_moe.errors import UserError
 from ondevice_moe.federation import device as dev
 from ondevice_moe.run_model import UserModel
+
+INSTANCES = 32  # Flow: how many of the user's test instances the page routes
 
 
 @dataclass(frozen=True)
@@ -58,3 +61,10 @@ def _pieces(tokenizer, ids: torch.Tensor) -> list[str]:
         pieces.append(text[len(before):] if text.startswith(before) else tokenizer.decode([int(ids[end - 1])]))
         before = text
     return pieces
+
+
+def page_instances(opened: UserModel) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """The first test instances of the user (inputs and labels) and a sentence saying so."""
+    examples = dev.federated_task(opened.job).test[opened.recipe.user_names.index(opened.user)]
+    inputs, labels = examples.inputs[:INSTANCES], examples.labels[:INSTANCES]
+    return inputs, labels, f"The first {len(labels)} test instances of user {opened.user}."
