@@ -115,6 +115,35 @@ def evaluate(
     _print_summary(summary)
 
 
+@app.command()
+def export(
+    run: Annotated[Path, typer.Argument(help="A run folder written by `ondevice-moe finetune`.")],
+    method: Annotated[str, typer.Option(help="The method whose model to export, as named in the run's report.")],
+    user: Annotated[str, typer.Option(help="The user (device) whose model to export.")],
+    to: Annotated[Path, typer.Option(help="The folder to write (created; must be empty unless --force).")],
+    experts: Annotated[list[str], typer.Option(
+        help="shared (default), all (private experts and routers too: the user's own), or expert names.")] = [],  # noqa: B006
+    format_: Annotated[str, typer.Option("--format", help="both (default), toolkit (the whole model) or "
+                                                          "peft (one PEFT adapter per LoRA expert).")] = "both",
+    push_to_hub: Annotated[str | None, typer.Option(help="Also upload the folder to this Hub repo, ORG/NAME.")] = None,
+    private: Annotated[bool, typer.Option("--private", help="Create the Hub repo as private.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite an earlier export in --to.")] = False,
+    device: Annotated[Device | None, typer.Option(help=DEVICE_HELP + " Default: the run's recipe.")] = None,
+) -> None:
+    """Export one user's trained model: PEFT adapters, the toolkit's format, a model card."""
+    from ondevice_moe.export import export_user
+
+    try:
+        result = export_user(run, method, user, to, experts, format_, force, push_to_hub, private, device)
+    except UserError as error:
+        _fail(error)
+    console.print(f"exported {', '.join(result.parts)} of {escape(method)} for {escape(user)} to {result.folder}")
+    for folder in result.peft_folders:
+        console.print(f"PEFT adapter: {folder}")
+    if result.url:
+        console.print(f"pushed: {result.url}")
+
+
 def _print_summary(summary: dict) -> None:
     from ondevice_moe.report import score_title, table_rows
 

@@ -129,10 +129,11 @@ def eval_blocks(job: Job, user: int) -> torch.Tensor:
     return test if cap is None else test[:cap]
 
 
-def build_model(job: Job, device: int) -> nn.Module:
-    """The device's model: the shared base with this device's experts (and task head) attached."""
+def build_model(job: Job, device: int, base: nn.Module | None = None) -> nn.Module:
+    """The device's model: the shared base (``base``, or the recipe's model) with this device's
+    experts (and task head) attached."""
     layout = job.method.layouts[device]
-    base = job_base_model(job).model
+    base = job_base_model(job).model if base is None else base
     whole = job.method.procedure.full_finetune
     if whole:
         base = copy.deepcopy(base)

@@ -1,0 +1,97 @@
+"""One export: a user's trained model from a finished run, written to a folder (and pushed).
+
+The folder holds, by ``fmt``: the toolkit's format (``toolkit``: the whole model,
+:mod:`~ondevice_moe.export.toolkit_format`), one PEFT adapter per LoRA expert under
+``peft/<expert>/`` (``peft``: :mod:`~ondevice_moe.export.peft_format`), or both
+(the default); and always the model card ``README.md``.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from ondevice_moe.errors import UserError
+from ondevice_moe.export.experts import model_parts, select_parts
+from ondevice_moe.export.hub import check_online, push_to_hub
+from ondevice_moe.export.mixture_gap import GAP_BLOCKS, MixtureGap, mixture_gap
+from ondevice_moe.export.model_card import base_model_of, model_card, write_model_card
+from ondevice_moe.export.peft_format import check_peft_expressible, peft_experts, write_peft_folder
+from ondevice_moe.export.toolkit_format import MANIFEST, RECIPE, TENSORS, write_toolkit_export
+from ondevice_moe.run_model import UserModel, open_user_model
+
+FORMATS = ("both", "toolkit", "peft")
+PEFT_DIR = "peft"
+WRITTEN = ("README.md", MANIFEST, RECIPE, TENSORS)
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    """What an export wrote: its folder, the parts it holds, its PEFT folders, the measured
+    gap between a routed mixture and its merged experts, and the Hub URL when pushed."""
+
+    folder: Path
+    parts: tuple[str, ...]
+    peft_folders: tuple[Path, ...]
+    gap: MixtureGap | None
+    url: str | None = None
+
+
+def export_user(run_dir: Path, method: str, user: str, to: Path, experts: list[str] | None = None,
+                fmt: str = "both", force: bool = False, push_to: str | None = None, private: bool = False,
+                device: str | None = None) -> ExportResult:
+    """Export ``user``'s model of ``method`` from ``run_dir`` into ``to`` (see the module docstring).
+
+    ``experts``: ``["shared"]`` (default), ``["all"]`` or expert names; ``device`` overrides
+    the recipe's ``model.device``. Bad input is a :class:`UserError` before anything is written.
+    """
+    if fmt not in FORMATS:
+        raise UserError(f"unknown format '{fmt}'", f"use one of: {', '.join(FORMATS)}")
+    if push_to is not None:
+        check_online(push_to)
+    _check_target(Path(to), force)
+    user_model = open_user_model(Path(run_dir), method, user, device)
+    parts = model_parts(user_model)
+    selected = select_parts(parts, experts or ["shared"])
+    if fmt == "peft":
+        check_peft_expressible(selected)
+    folder = Path(to)
+    _clear_previous(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    if fmt != "peft":
+        write_toolkit_export(user_model, parts, selected, folder)
+    base = base_model_of(user_model.recipe.model.name)
+    names = peft_experts(selected) if fmt != "toolkit" else []
+    peft_folders = tuple(write_peft_folder(user_model, selected, name, folder / PEFT_DIR / name, base.name)
+                         for name in names)
+    gap = _gap(user_model)
+    write_model_card(folder, model_card(user_model, parts, selected, names, gap, push_to or folder.name))
+    url = push_to_hub(folder, push_to, private) if push_to is not None else None
+    return ExportResult(folder, tuple(selected), peft_folders, gap, url)
+
+
+def _check_target(folder: Path, force: bool) -> None:
+    if folder.exists() and not folder.is_dir():
+        raise UserError(f"{folder} is a file", "choose a folder for --to")
+    if folder.is_dir() and any(folder.iterdir()) and not force:
+        raise UserError(f"{folder} is not empty", "choose another --to folder, or pass --force to overwrite "
+                        "an earlier export there")
+
+
+def _clear_previous(folder: Path) -> None:
+    """Remove what an earlier export wrote into ``folder`` (and nothing else)."""
+    for name in WRITTEN:
+        (folder / name).unlink(missing_ok=True)
+    shutil.rmtree(folder / PEFT_DIR, ignore_errors=True)
+
+
+def _gap(user_model: UserModel) -> MixtureGap | None:
+    """A routed LM mixture against its merged experts, on the user's first test blocks."""
+    from ondevice_moe.federation.device import eval_blocks
+
+    recipe = user_model.recipe
+    if not recipe.is_language_modelling:
+        return None
+    blocks = eval_blocks(user_model.job, recipe.user_names.index(user_model.user))[:GAP_BLOCKS]
+    return mixture_gap(user_model.model, blocks, recipe.data.eval_batch_size)
