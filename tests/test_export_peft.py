@@ -1,0 +1,137 @@
+"""Exported PEFT adapters and toolkit folders reproduce the toolkit's model (no run needed)."""
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+from peft import PeftModel
+from torch import nn
+
+from ondevice_moe.errors import UserError
+from ondevice_moe.export.experts import Part, model_parts, select_parts
+from ondevice_moe.export.peft_format import check_peft_expressible, peft_experts, write_peft_folder
+from ondevice_moe.export.toolkit_format import load_adapted, write_toolkit_export
+from ondevice_moe.federation.device import build_model, job_base_model
+from ondevice_moe.federation.job import Job
+from ondevice_moe.methods import Role
+from ondevice_moe.mixture import mixtures
+from ondevice_moe.recipe import load_recipe
+from ondevice_moe.routing.routers import Routing
+from ondevice_moe.run_model import UserModel
+
+RECIPES = Path(__file__).parent / "recipes"
+ONE_MLP_EXPERT = "methods=[{name: mixture, experts: [{kind: lora}], router: uniform, attention_lora: shared}]"
+
+
+def _user_model(recipe_file: str, overrides: list[str], tmp_path: Path, device: int = 1) -> UserModel:
+    """Device ``device``'s model of the recipe's only method, every trained tensor moved off its
+    initial value (a fresh LoRA adds nothing, so an export of fresh experts would prove little)."""
+    recipe = load_recipe(RECIPES / recipe_file, overrides)
+    job = Job(recipe, 0, tmp_path / "run")
+    model = build_model(job, device)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.requires_grad:
+                param.add_(0.05 * torch.randn(param.shape, generator=generator))
+    return UserModel(recipe, job, device, recipe.user_names[device], model.eval())
+
+
+def _outputs(user_model: UserModel, model: nn.Module) -> torch.Tensor:
+    recipe = user_model.recipe
+    generator = torch.Generator().manual_seed(2)
+    if recipe.task is not None and recipe.task.spec().input_shape:
+        out = model(torch.randn(5, *recipe.task.spec().input_shape, generator=generator))
+        return getattr(out, "logits", out)
+    ids = torch.randint(0, 256, (2, 12), generator=generator)
+    return model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
+
+
+def _peft_logits(user_model: UserModel, folder: Path) -> torch.Tensor:
+    base = copy.deepcopy(job_base_model(user_model.job).model)
+    return _outputs(user_model, PeftModel.from_pretrained(base, folder).eval())
+
+
+@pytest.mark.parametrize(("recipe", "overrides"), [
+    ("tiny.yaml", [ONE_MLP_EXPERT]),  # GPT-2: attention LoRA + one MLP expert, Conv1D layers
+    ("tiny.yaml", ["model.name=tiny-llama", ONE_MLP_EXPERT]),
+    ("tiny.yaml", ["methods=[fed-lora]"]),  # LoRA on the query and value projections, α/r
+    ("tiny-classification.yaml", ["methods=[fed-lora]"]),  # BERT, with its head and pooler
+], ids=["gpt2-mlp", "llama-mlp", "gpt2-qv", "bert-classifier"])
+def test_a_single_expert_in_peft_gives_the_toolkits_logits(tmp_path, recipe, overrides):
+    user_model = _user_model(recipe, overrides, tmp_path)
+    selected = select_parts(model_parts(user_model), ["all"])
+    [expert] = peft_experts(selected)
+    folder = write_peft_folder(user_model, selected, expert, tmp_path / expert, "tiny")
+    with torch.no_grad():
+        expected = _outputs(user_model, user_model.model)
+        got = _peft_logits(user_model, folder)
+    assert not torch.allclose(expected, _outputs(user_model, job_base_model(user_model.job).model), atol=1e-3)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+class _OneHot(nn.Module):
+    """Every token to expert ``index``: the routed model then is that expert alone."""
+
+    def __init__(self, experts: int, index: int) -> None:
+        super().__init__()
+        self.experts, self.index = experts, index
+
+    def forward(self, hidden: torch.Tensor) -> Routing:
+        weights = torch.nn.functional.one_hot(torch.tensor(self.index), self.experts).to(hidden.dtype)
+        return Routing(weights=weights.expand(*hidden.shape[:-1], self.experts), balance_loss=hidden.new_zeros(()))
+
+
+def test_each_expert_of_a_mixture_is_its_own_peft_folder(tmp_path):
+    user_model = _user_model("tiny.yaml", ["methods=[{name: comigs, variant: 1G1S}]"], tmp_path)
+    selected = select_parts(model_parts(user_model), ["all"])
+    names = peft_experts(selected)
+    assert names == ["shared_0", "private_0"]
+    for index, name in enumerate(names):
+        folder = write_peft_folder(user_model, selected, name, tmp_path / name, "tiny")
+        for site in mixtures(user_model.model):
+            site.router = _OneHot(2, index)
+        with torch.no_grad():
+            torch.testing.assert_close(_peft_logits(user_model, folder), _outputs(user_model, user_model.model),
+                                       rtol=1e-5, atol=1e-5)
+
+
+def test_both_experts_load_into_one_peft_model(tmp_path):
+    user_model = _user_model("tiny.yaml", ["methods=[{name: comigs, variant: 1G1S}]"], tmp_path)
+    selected = select_parts(model_parts(user_model), ["all"])
+    folders = {name: write_peft_folder(user_model, selected, name, tmp_path / name, "tiny")
+               for name in peft_experts(selected)}
+    model = PeftModel.from_pretrained(copy.deepcopy(job_base_model(user_model.job).model), folders["shared_0"],
+                                      adapter_name="shared_0")
+    model.load_adapter(folders["private_0"], adapter_name="private_0")
+    assert set(model.peft_config) == {"shared_0", "private_0"}
+
+
+@pytest.mark.parametrize(("recipe", "overrides"), [
+    ("tiny-classification.yaml", ["methods=[hermes]"]),  # LoRA, adapter and prefix experts, routers, head
+    ("tiny.yaml", ["methods=[{name: comigs, variant: 1G1S, generalist: adapter}]"]),
+    ("tiny-floral.yaml", ["methods=[floral]"]),  # FLoRAL's adaptors and client mixture
+    ("tiny-fedsoft.yaml", ["methods=[fedsoft]"]),  # a whole model of its own
+    ("tiny-flow.yaml", ["methods=[flow]"]),  # global and local layers, the policy
+    ("tiny-digits.yaml", ["methods=[fed-ft]"]),  # the digits MLP trained whole
+], ids=["hermes", "comigs-adapter", "floral", "fedsoft", "flow", "digits-mlp"])
+def test_any_method_reloads_from_the_toolkit_format_to_identical_outputs(tmp_path, recipe, overrides):
+    user_model = _user_model(recipe, overrides, tmp_path)
+    parts = model_parts(user_model)
+    folder = tmp_path / "export"
+    folder.mkdir()
+    write_toolkit_export(user_model, parts, select_parts(parts, ["all"]), folder)
+    loaded = load_adapted(None, folder)
+    with torch.no_grad():
+        assert torch.equal(_outputs(user_model, loaded), _outputs(user_model, user_model.model))
+
+
+def test_kinds_peft_cannot_hold_are_refused():
+    tensor = {"w": torch.zeros(1)}
+    parts = {"shared_0": Part("shared_0", "lora", Role.SHARED, tensor),
+             "shared_1": Part("shared_1", "adapter", Role.SHARED, tensor),
+             "router": Part("router", "router", Role.PRIVATE, tensor)}
+    with pytest.raises(UserError, match=r"cannot hold shared_1 \(adapter\)"):
+        check_peft_expressible(parts)
+    check_peft_expressible({"shared_0": parts["shared_0"], "router": parts["router"]})
