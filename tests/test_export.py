@@ -1,0 +1,164 @@
+"""``ondevice-moe export`` on a finished tiny run: the toolkit format reproduces the run's
+metrics, private experts stay home by default, the card, the Hub, and bad input."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+import ondevice_moe
+from ondevice_moe.cli import app
+from ondevice_moe.federation.evaluation import evaluate_device, user_values
+from ondevice_moe.federation.job import Job
+from ondevice_moe.recipe import load_recipe
+from ondevice_moe.report import MetricsLog
+from ondevice_moe.runner import run_recipe
+
+TINY = Path(__file__).parent / "recipes" / "tiny.yaml"
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    recipe = load_recipe(TINY, ["federation.rounds=1", "federation.local_iterations=1",
+                                "methods=[fedavg, {name: comigs, variant: 1G1S}]"])
+    return run_recipe(recipe, tmp_path_factory.mktemp("run") / "tiny").run_dir
+
+
+def _export(run: Path, to: Path, *options: str, method: str = "comigs-1G1S", user: str = "news"):
+    result = runner.invoke(app, ["export", str(run), "--method", method, "--user", user, "--to", str(to), *options])
+    assert "Traceback" not in result.output
+    return result
+
+
+def _front_matter(folder: Path) -> dict:
+    return yaml.safe_load((folder / "README.md").read_text().split("---\n")[1])
+
+
+def test_the_whole_model_reproduces_the_runs_test_metrics(tiny_run, tmp_path):
+    result = _export(tiny_run, tmp_path / "out", "--experts", "all")
+    assert result.exit_code == 0, result.output
+    model = ondevice_moe.load_adapted(None, tmp_path / "out")
+    manifest = json.loads((tmp_path / "out" / "export.json").read_text())
+    job = Job(load_recipe(tmp_path / "out" / "recipe.yaml"), manifest["method_index"], tmp_path / "out")
+    values = user_values(evaluate_device(job, manifest["device"], model), 1)
+    logged = [r for r in MetricsLog(tiny_run / "metrics.jsonl").read()
+              if r["kind"] == "eval" and r["method"] == "comigs-1G1S" and r["user"] == "news"][-1]
+    summary = json.loads((tiny_run / "summary.json").read_text())["methods"]["comigs-1G1S"]["per_user"]["news"]
+    assert values["test_ppl_in"] == logged["test_ppl_in"] == summary["in"]
+    assert values["test_ppl_out"] == logged["test_ppl_out"] == summary["out"]
+
+
+def test_the_loaded_model_generates(tiny_run, tmp_path):
+    assert _export(tiny_run, tmp_path / "out", "--experts", "all", "--format", "toolkit").exit_code == 0
+    assert not (tmp_path / "out" / "peft").exists()
+    model = ondevice_moe.load_adapted(None, tmp_path / "out")
+    prompt = torch.tensor([[72, 101, 108, 108, 111]])
+    generated = model.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=256)
+    assert generated.shape == (1, 9) and torch.equal(generated[:, :5], prompt)
+
+
+def test_private_experts_stay_home_by_default(tiny_run, tmp_path):
+    result = _export(tiny_run, tmp_path / "out")
+    assert result.exit_code == 0, result.output
+    tensors = load_file(str(tmp_path / "out" / "experts.safetensors"))
+    assert tensors and not any("private" in name or "router" in name for name in tensors)
+    assert sorted(p.name for p in (tmp_path / "out" / "peft").iterdir()) == ["shared_0"]
+    parts = json.loads((tmp_path / "out" / "export.json").read_text())["parts"]
+    assert {name: part["exported"] for name, part in parts.items()} == {
+        "shared": True, "shared_0": True, "private_0": False, "router": False}
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "Private parts (private_0, router) are the user's own and were left out" in card
+
+
+def test_the_card_describes_the_run(tiny_run, tmp_path):
+    assert _export(tiny_run, tmp_path / "out", "--experts", "all").exit_code == 0
+    meta = _front_matter(tmp_path / "out")
+    summary = json.loads((tiny_run / "summary.json").read_text())["methods"]["comigs-1G1S"]["per_user"]["news"]
+    assert meta["library_name"] == "peft" and meta["base_model"] == "tiny-gpt2" and meta["license"] == "apache-2.0"
+    assert [m["value"] for m in meta["model-index"][0]["results"][0]["metrics"]] == [summary["in"], summary["out"]]
+    run = meta["ondevice_moe"]
+    assert (run["method"], run["rounds"], run["devices"], run["seed"]) == ("comigs-1G1S", 1, 3, 0)
+    assert {"ondevice-moe", "peft", "flwr"} <= set(run["versions"])
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "Private parts included** (private_0, router)" in card
+    assert "A routed mixture has no exact PEFT form" in card and "name: tiny" in card
+
+
+def test_force_replaces_an_earlier_export(tiny_run, tmp_path):
+    assert _export(tiny_run, tmp_path / "out", "--experts", "all").exit_code == 0
+    result = _export(tiny_run, tmp_path / "out", "--force")
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in (tmp_path / "out" / "peft").iterdir()) == ["shared_0"]
+
+
+@pytest.mark.parametrize(("options", "expected"), [
+    (["--method", "fedprox"], "use one of: fedavg, comigs-1G1S"),
+    (["--user", "sports"], "use one of: code, news, reviews"),
+    (["--experts", "shared_7"], "use one of: shared, all, shared, shared_0, private_0, router"),
+    (["--experts", "private_0"], "pass --experts all to export private experts too"),
+    (["--format", "onnx"], "use one of: both, toolkit, peft"),
+])
+def test_bad_input_is_one_message(tiny_run, tmp_path, options, expected):
+    args = {"--method": "comigs-1G1S", "--user": "news", "--to": str(tmp_path / "out")}
+    rest = []
+    for key, value in zip(options[::2], options[1::2], strict=True):
+        if key in args:
+            args[key] = value
+        else:
+            rest += [key, value]
+    result = runner.invoke(app, ["export", str(tiny_run), *[x for kv in args.items() for x in kv], *rest])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert expected in " ".join(result.output.split())
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_non_empty_folder_needs_force(tiny_run, tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "notes.txt").write_text("mine")
+    result = _export(tiny_run, tmp_path / "out")
+    assert result.exit_code == 2 and "pass --force" in " ".join(result.output.split())
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["notes.txt"]
+
+
+def test_a_run_that_has_not_finished_is_refused(tiny_run, tmp_path):
+    (tmp_path / "run").mkdir()
+    shutil.copy(tiny_run / "recipe.yaml", tmp_path / "run" / "recipe.yaml")
+    result = _export(tmp_path / "run", tmp_path / "out")
+    assert result.exit_code == 2 and "has finished" in result.output
+
+
+def test_offline_push_fails_at_once(tiny_run, tmp_path):
+    import huggingface_hub
+
+    assert huggingface_hub.is_offline_mode()  # conftest sets HF_HUB_OFFLINE=1 before the hub is imported
+    result = _export(tiny_run, tmp_path / "out", "--push-to-hub", "org/name")
+    assert result.exit_code == 2 and "offline mode is on (HF_HUB_OFFLINE=1)" in " ".join(result.output.split())
+    assert not (tmp_path / "out").exists()
+
+
+def test_push_creates_the_repo_and_uploads_the_folder(tiny_run, tmp_path, monkeypatch):
+    import huggingface_hub
+
+    calls = []
+
+    def create_repo(repo_id, private=None, exist_ok=False):
+        calls.append(("create", repo_id, private, exist_ok))
+        return f"https://huggingface.co/{repo_id}"
+
+    def upload_folder(repo_id, folder_path, commit_message=None):
+        calls.append(("upload", repo_id, sorted(p.name for p in Path(folder_path).iterdir())))
+
+    monkeypatch.setattr(huggingface_hub, "is_offline_mode", lambda: False)
+    monkeypatch.setattr(huggingface_hub, "create_repo", create_repo)
+    monkeypatch.setattr(huggingface_hub, "upload_folder", upload_folder)
+    result = _export(tiny_run, tmp_path / "out", "--push-to-hub", "org/name", "--private")
+    assert result.exit_code == 0, result.output
+    assert calls == [("create", "org/name", True, True),
+                     ("upload", "org/name", ["README.md", "experts.safetensors", "export.json", "peft", "recipe.yaml"])]
+    assert _front_matter(tmp_path / "out")["model-index"][0]["name"] == "org/name"
