@@ -10,6 +10,7 @@ from torch import nn
 
 from ondevice_moe.errors import UserError
 from ondevice_moe.export.experts import Part, model_parts, select_parts
+from ondevice_moe.export.mixture_gap import mixture_gap
 from ondevice_moe.export.peft_format import check_peft_expressible, peft_experts, write_peft_folder
 from ondevice_moe.export.toolkit_format import load_adapted, write_toolkit_export
 from ondevice_moe.federation.device import build_model, job_base_model
@@ -135,3 +136,18 @@ def test_kinds_peft_cannot_hold_are_refused():
     with pytest.raises(UserError, match=r"cannot hold shared_1 \(adapter\)"):
         check_peft_expressible(parts)
     check_peft_expressible({"shared_0": parts["shared_0"], "router": parts["router"]})
+
+
+def test_the_mixture_gap_is_zero_only_where_merging_is_exact(tmp_path):
+    user_model = _user_model("tiny.yaml", ["methods=[{name: comigs, variant: 1G1S}]"], tmp_path)
+    blocks = torch.randint(0, 256, (3, 16), generator=torch.Generator().manual_seed(3))
+    distinct = mixture_gap(user_model.model, blocks, 2)
+    assert distinct.experts == 2 and distinct.logit_gap_average > 1e-4 and distinct.logit_gap_sum > 1e-4
+    with torch.no_grad():  # two equal experts: any routing gives that expert, and so does their average
+        for site in mixtures(user_model.model):
+            for linear, lora in site.experts["private_0"].items():
+                lora.lora_A.copy_(site.experts["shared_0"][linear].lora_A)
+                lora.lora_B.copy_(site.experts["shared_0"][linear].lora_B)
+    same = mixture_gap(user_model.model, blocks, 2)
+    assert same.logit_gap_average < 1e-5 and same.logit_gap_sum > 1e-4
+    assert same.perplexity_average == pytest.approx(same.perplexity_routed, rel=1e-5)

@@ -2,8 +2,9 @@
 
 PEFT holds LoRA experts as adapters that are on or off for the whole input; the
 closest it comes to a routed mixture is a merge, ``W + Σ_j w_j ΔW_j`` in every
-adapted layer (``add_weighted_adapter``), with equal weights (the *average*,
-``w_j = 1/n``) or all on (the *sum*, ``w_j = 1``). A routed MLP mixture is
+layer the experts adapt (e.g. ``add_weighted_adapter``), with equal weights (the
+*average*, ``w_j = 1/n``) or all on (the *sum*, ``w_j = 1``); the always-on
+attention LoRA stays as it is. A routed MLP mixture is
 ``Σ_j g_j(x) MLP_j(x)`` with per-token weights ``g(x)`` and a nonlinearity inside
 each expert, so no merge equals it. :func:`mixture_gap` measures the difference
 on a user's test blocks: mean |Δ logit| and perplexity of each model.

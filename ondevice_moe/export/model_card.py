@@ -10,7 +10,7 @@ how to load it, and, for a routed mixture, why the PEFT folders are not the mode
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
@@ -124,7 +124,7 @@ def model_card(user_model: UserModel, parts: dict[str, Part], selected: dict[str
         _privacy_note(parts, selected),
         _metrics_text(metrics),
         _loading_text(peft_folders),
-        _mixture_text(method.name, gap, peft_folders),
+        _mixture_text(method.name, parts, gap, peft_folders),
         "## Recipe\n",
         "```yaml\n" + (user_model.job.run_dir / "recipe.yaml").read_text(encoding="utf-8").rstrip() + "\n```\n",
     ]
@@ -161,22 +161,27 @@ def _loading_text(peft_folders: list[str]) -> str:
     return text
 
 
-def _mixture_text(method: str, gap: MixtureGap | None, peft_folders: list[str]) -> str:
+def _mixture_text(method: str, parts: dict[str, Part], gap: MixtureGap | None, peft_folders: list[str]) -> str:
+    """Whether the PEFT folders are the user's model; for a routed mixture, why not, with the gap
+    measured at export."""
+    routed = [p.name for p in parts.values() if p.kind not in ("router", "head", "model") and not p.is_attention_lora]
+    if len(routed) < 2:
+        return (f"The PEFT folder ({peft_folders[0]}) holds the whole adapted model: no router mixes experts.\n"
+                if peft_folders else "")
+    text = ("## A routed mixture has no exact PEFT form\n\n"
+            f"{method} mixes {len(routed)} experts ({', '.join(routed)}) token by token. PEFT adapters are on or "
+            "off for the whole input, and summing or averaging the experts' LoRA updates is not the routed "
+            "model: use `load_adapted` for the user's model")
+    text += f"; each PEFT folder ({', '.join(peft_folders)}) holds one expert.\n" if peft_folders else ".\n"
     if gap is None:
-        return ""
-    numbers = asdict(gap)
-    return (
-        "## A routed mixture has no exact PEFT form\n\n"
-        f"{method} routes each token between {gap.experts} experts in every MLP. PEFT adapters are on or off "
-        "for the whole input, and summing or averaging the experts' LoRA updates is not the routed model. "
-        f"Measured at export on {gap.blocks} of this user's test blocks:\n\n"
+        return text
+    return text + (
+        f"\nMeasured at export on {gap.blocks} of this user's test blocks, against the experts merged: one "
+        "LoRA update Σ w_j ΔW_j in every MLP layer, the attention LoRA as it is:\n\n"
         "| model | mean abs. logit difference to the routed model | perplexity |\n| --- | --- | --- |\n"
-        f"| routed (this export, `load_adapted`) | 0 | {numbers['perplexity_routed']:.4g} |\n"
+        f"| routed (this export, `load_adapted`) | 0 | {gap.perplexity_routed:.4g} |\n"
         f"| experts averaged (w = 1/{gap.experts}) | {gap.logit_gap_average:.4g} | {gap.perplexity_average:.4g} |\n"
-        f"| experts summed (w = 1) | {gap.logit_gap_sum:.4g} | {gap.perplexity_sum:.4g} |\n\n"
-        + (f"The PEFT folders ({', '.join(peft_folders)}) hold one expert each; use `load_adapted` for the "
-           "user's model.\n" if peft_folders else "")
-    )
+        f"| experts summed (w = 1) | {gap.logit_gap_sum:.4g} | {gap.perplexity_sum:.4g} |\n")
 
 
 def write_model_card(folder: Path, text: str) -> Path:
