@@ -90,6 +90,15 @@ def test_the_card_describes_the_run(tiny_run, tmp_path):
     assert "A routed mixture has no exact PEFT form" in card and "name: tiny" in card
 
 
+def test_peft_only_writes_adapters_and_the_card(tiny_run, tmp_path):
+    result = _export(tiny_run, tmp_path / "out", "--format", "peft", method="fedavg")
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["README.md", "peft"]
+    assert sorted(p.name for p in (tmp_path / "out" / "peft").iterdir()) == ["shared_0", "shared_1"]
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "load_adapted(None" not in card and "mixes 2 experts (shared_0, shared_1)" in card
+
+
 def test_force_replaces_an_earlier_export(tiny_run, tmp_path):
     assert _export(tiny_run, tmp_path / "out", "--experts", "all").exit_code == 0
     result = _export(tiny_run, tmp_path / "out", "--force")

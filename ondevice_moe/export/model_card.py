@@ -101,8 +101,8 @@ def front_matter(user_model: UserModel, base: BaseModel, name: str, metrics: dic
 
 
 def model_card(user_model: UserModel, parts: dict[str, Part], selected: dict[str, Part], peft_folders: list[str],
-               gap: MixtureGap | None, name: str) -> str:
-    """The card's text."""
+               toolkit: bool, gap: MixtureGap | None, name: str) -> str:
+    """The card's text (``toolkit``: the folder holds the toolkit's format too)."""
     recipe, method = user_model.recipe, user_model.job.method
     base = base_model_of(recipe.model.name)
     metrics = user_metrics(user_model)
@@ -123,7 +123,7 @@ def model_card(user_model: UserModel, parts: dict[str, Part], selected: dict[str
         "| part | kind | role | exported |\n| --- | --- | --- | --- |\n" + rows + "\n",
         _privacy_note(parts, selected),
         _metrics_text(metrics),
-        _loading_text(peft_folders),
+        _loading_text(peft_folders, toolkit),
         _mixture_text(method.name, parts, gap, peft_folders),
         "## Recipe\n",
         "```yaml\n" + (user_model.job.run_dir / "recipe.yaml").read_text(encoding="utf-8").rstrip() + "\n```\n",
@@ -150,10 +150,12 @@ def _metrics_text(metrics: dict[str, float]) -> str:
     return f"## Metrics (the run's, for this user)\n\n| metric | value |\n| --- | --- |\n{rows}\n"
 
 
-def _loading_text(peft_folders: list[str]) -> str:
-    text = ("## Loading\n\nThe whole model, routers included, with the toolkit:\n\n```python\n"
-            "import ondevice_moe\nmodel = ondevice_moe.load_adapted(None, \"path/to/this/folder\")  "
-            "# or pass your base model\n```\n")
+def _loading_text(peft_folders: list[str], toolkit: bool) -> str:
+    text = "## Loading\n"
+    if toolkit:
+        text += ("\nThe exported parts, routers included, with the toolkit:\n\n```python\n"
+                 "import ondevice_moe\nmodel = ondevice_moe.load_adapted(None, \"path/to/this/folder\")  "
+                 "# or pass your base model\n```\n")
     if peft_folders:
         text += ("\nEach LoRA expert (with the attention LoRA it was trained with) as a PEFT adapter:\n\n"
                  "```python\nfrom peft import PeftModel\n"
@@ -169,9 +171,9 @@ def _mixture_text(method: str, parts: dict[str, Part], gap: MixtureGap | None, p
         return (f"The PEFT folder ({peft_folders[0]}) holds the whole adapted model: no router mixes experts.\n"
                 if peft_folders else "")
     text = ("## A routed mixture has no exact PEFT form\n\n"
-            f"{method} mixes {len(routed)} experts ({', '.join(routed)}) token by token. PEFT adapters are on or "
-            "off for the whole input, and summing or averaging the experts' LoRA updates is not the routed "
-            "model: use `load_adapted` for the user's model")
+            f"{method} mixes {len(routed)} experts ({', '.join(routed)}) through its router. PEFT adapters are "
+            "on or off for the whole input, and summing or averaging the experts' LoRA updates is not the "
+            "routed model: use `load_adapted` for the user's model")
     text += f"; each PEFT folder ({', '.join(peft_folders)}) holds one expert.\n" if peft_folders else ".\n"
     if gap is None:
         return text
