@@ -178,3 +178,13 @@ def test_load_adapted_takes_the_users_own_copy_of_the_base(tmp_path):
         assert torch.equal(_outputs(user_model, loaded), _outputs(user_model, user_model.model))
     with pytest.raises(UserError, match="does not fit this base model"):
         load_adapted(load_base_model("tiny-llama").model, folder)
+
+
+def test_load_adapted_is_imported_on_first_use_only():
+    import subprocess
+    import sys
+
+    code = ("import sys, ondevice_moe; light = 'torch' not in sys.modules; "
+            "print(light, ondevice_moe.load_adapted.__module__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["True", "ondevice_moe.export.toolkit_format"]
