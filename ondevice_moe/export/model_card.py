@@ -119,7 +119,7 @@ def model_card(user_model: UserModel, parts: dict[str, Part], selected: dict[str
         f"base model `{base.name}` ({base.source}"
         + (f"; SHA-256 `{base.sha256}`" if base.sha256 else "") + ").\n",
         "## Parts\n",
-        "Shared parts were averaged across devices by the server; private parts never left the user's device.\n",
+        "Shared parts travelled between devices through the server; private parts never left the user's device.\n",
         "| part | kind | role | exported |\n| --- | --- | --- | --- |\n" + rows + "\n",
         _privacy_note(parts, selected),
         _metrics_text(metrics),
