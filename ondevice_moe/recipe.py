@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from ondevice_moe.data.sources import SOURCES
 from ondevice_moe.data.tasks import TASKS
 from ondevice_moe.errors import UserError
+from ondevice_moe.federation.transport import Transport
 from ondevice_moe.methods.base import Method, MethodContext, MethodOptions
 from ondevice_moe.methods.comigs.config import LoRASizes
 from ondevice_moe.methods.fedsoft.config import FedSoftSizes
@@ -246,7 +247,9 @@ class FederationSection(_Section):
     round (default: all); ``min_clients``: a round with fewer good replies
     fails the method (default: 1); ``reply_timeout_s``: how long the server
     waits for replies; ``eval_every``: evaluate every n rounds (and always
-    after the last).
+    after the last); ``transport``: how shared tensors travel both ways,
+    ``fp32`` (as they are), ``bf16``/``fp16`` (cast) or ``int8`` (symmetric,
+    one scale per tensor; :mod:`ondevice_moe.federation.transport`).
     """
 
     rounds: int = Field(20, ge=1)
@@ -260,6 +263,7 @@ class FederationSection(_Section):
     min_clients: int = Field(1, ge=1)
     reply_timeout_s: float = Field(3600.0, gt=0)
     eval_every: int = Field(1, ge=1)
+    transport: Transport = "fp32"
     faults: list[FaultSection] = Field(default_factory=list)
 
     @model_validator(mode="after")

@@ -11,6 +11,8 @@ distribution (the union of all users' test splits); for classification, the
 task's metric on the client's own test split (FedSoft: with the client's own model; IFCA:
 with its centre), and on device 0 every centre's score on every source's test set.
 ``query``: the device's index (``partition-id``), so the server knows which node holds which user.
+Shared tensors travel encoded both ways (``federation.transport``,
+:mod:`ondevice_moe.federation.transport`): the device decodes what it receives and encodes what it sends.
 Simulated faults (``federation.faults``) wrap training as a client mod.
 """
 
@@ -25,13 +27,23 @@ from flwr.clientapp import ClientApp
 from ondevice_moe.federation import device as dev
 from ondevice_moe.federation.evaluation import centre_scores, evaluate_device
 from ondevice_moe.federation.faults import fault_mod
-from ondevice_moe.federation.job import job_from_context
+from ondevice_moe.federation.job import Job, job_from_context
+from ondevice_moe.federation.transport import decode, encode
 
 app = ClientApp(mods=[fault_mod])
 
 
 def _device_index(context: Context) -> int:
     return int(context.node_config["partition-id"])
+
+
+def _received(job: Job, msg: Message) -> ArrayRecord | None:
+    """The shared tensors the server sent, decoded (``federation.transport``)."""
+    arrays = msg.content.array_records.get("arrays")
+    kind = job.recipe.federation.transport
+    if arrays is None or kind == "fp32":
+        return arrays
+    return ArrayRecord(decode(arrays.to_torch_state_dict(), kind))
 
 
 @app.query()
@@ -44,7 +56,7 @@ def identify(msg: Message, context: Context) -> Message:
 def train(msg: Message, context: Context) -> Message:
     job = job_from_context(context)
     device = _device_index(context)
-    arrays = msg.content.array_records.get("arrays")
+    arrays = _received(job, msg)
     procedure = job.method.procedure
     server_round = int(msg.content["config"]["server-round"])
     # PCL's peers and FedSoft's centres are read, not loaded: the device trains on from its own model.
@@ -62,7 +74,8 @@ def train(msg: Message, context: Context) -> Message:
     dev.save_private_state(trainer, context.state)
     metrics.update({**trust, **chosen, "device": device, "num-examples": examples})
     tensors, records = dev.upload(job, trainer)
-    content = RecordDict({"arrays": ArrayRecord(tensors), "metrics": MetricRecord(metrics)})
+    wire = ArrayRecord(encode(tensors, job.recipe.federation.transport))
+    content = RecordDict({"arrays": wire, "metrics": MetricRecord(metrics)})
     for key, values in records.items():
         content[key] = MetricRecord(values)
     return Message(content, reply_to=msg)
@@ -72,7 +85,7 @@ def train(msg: Message, context: Context) -> Message:
 def evaluate(msg: Message, context: Context) -> Message:
     job = job_from_context(context)
     device = _device_index(context)
-    arrays = msg.content.array_records.get("arrays")
+    arrays = _received(job, msg)
     centred = job.method.procedure.centres is not None
     model = dev.restore_trainer(job, device, None if centred else arrays, context.state).model
     scores = {}

@@ -61,8 +61,9 @@ def active_faults(faults: list[FaultSection], device: int, server_round: int) ->
 
 
 def poison(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The upload with its first tensor (by name) filled with NaN."""
-    name = min(tensors, default=FAULT_TENSOR)
+    """The upload with its first floating-point tensor (by name) filled with NaN: under
+    ``federation.transport: int8`` a tensor's scale, which the tensor decodes to NaN by."""
+    name = min((n for n, t in tensors.items() if t.is_floating_point()), default=FAULT_TENSOR)
     like = tensors.get(name, torch.zeros(1))
     return {**tensors, name: torch.full_like(like, float("nan"))}
 

@@ -15,6 +15,9 @@ decides what is sent and what is kept:
   update :func:`check_update` rejects is dropped from the round (a ``drop``
   record; its bytes are not counted as uploaded). A round with fewer than
   ``min_clients`` sound updates ends the method.
+* **Transport**: what travels both ways is encoded by ``federation.transport``
+  (:mod:`ondevice_moe.federation.transport`); an upload is checked as it travelled,
+  then decoded, and the rule aggregates decoded values. Byte counts are of what travelled.
 * **Evaluation** every ``eval_every`` rounds and after the last one, on every
   device; the last one also has the devices write their checkpoints.
 """
@@ -24,6 +27,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from logging import INFO
 from typing import Any
 
@@ -38,6 +42,7 @@ from ondevice_moe.federation.aggregation import Update, check_update
 from ondevice_moe.federation.evaluation import user_values
 from ondevice_moe.federation.job import Job
 from ondevice_moe.federation.rules import Slots
+from ondevice_moe.federation.transport import Transport, decode, encode, wire_reference
 from ondevice_moe.methods.base import is_expert_tensor
 from ondevice_moe.recipe import FederationSection
 from ondevice_moe.report import MetricsLog
@@ -115,6 +120,20 @@ def connect(grid: Grid, count: int, timeout: float) -> dict[int, int]:
     return dict(sorted(found.items()))
 
 
+def decode_update(update: Update, reference: dict[str, torch.Tensor], kind: Transport,
+                  partial: bool) -> tuple[Update, str | None]:
+    """``update`` with its tensors decoded (in ``reference``'s dtypes), once it passed
+    :func:`check_update` as it travelled, so an upload in a wider dtype than ``kind`` sends
+    is caught; or, unchanged, with why it is rejected."""
+    problem = check_update(update, wire_reference(reference, kind), partial)
+    if problem:
+        return update, problem
+    try:
+        return replace(update, tensors=decode(update.tensors, kind, reference)), None
+    except ValueError as error:
+        return update, f"device {update.device} sent a malformed upload: {error}"
+
+
 class SlotStrategy(Strategy):
     """One method's federation: the server rule's slots, per-device messages, dropped devices.
 
@@ -162,13 +181,16 @@ class SlotStrategy(Strategy):
         bytes_up = bytes_up_other = 0
         for device, reply in self._by_device(replies, self._round["sampled"], drops):
             update, metrics, size, problem = self._read_update(reply, device)
-            problem = problem or check_update(update, self._reference(device), self.rule.partial_uploads)
+            wire = update.tensors
+            if not problem:
+                update, problem = decode_update(update, self._reference(device), self.federation.transport,
+                                                self.rule.partial_uploads)
             if problem:
                 drops[device] = f"update rejected: {problem}"
                 continue
             sound.append(update)
             bytes_up += size
-            bytes_up_other += sum(t.nbytes for name, t in update.tensors.items() if not is_expert_tensor(name))
+            bytes_up_other += sum(t.nbytes for name, t in wire.items() if not is_expert_tensor(name))
             self.log.write({"method": self.job.method.name, "round": server_round, "kind": "train",
                             "user": self._user(device), **metrics,
                             "bytes_up": size, "bytes_down": self._round["sent"][device]})
@@ -231,7 +253,8 @@ class SlotStrategy(Strategy):
 
     def _message(self, device: int, kind: str, server_round: int, final: bool) -> Message:
         train_round = server_round if kind == MessageType.TRAIN else None
-        arrays = ArrayRecord(self.rule.message_for(self.slots, device, train_round))
+        arrays = ArrayRecord(encode(self.rule.message_for(self.slots, device, train_round),
+                                    self.federation.transport))
         config = ConfigRecord({"server-round": server_round, "final": final})
         return Message(RecordDict({"arrays": arrays, "config": config}), dst_node_id=self.nodes[device],
                        message_type=kind, group_id=str(server_round))
