@@ -42,7 +42,7 @@ from ondevice_moe.federation.aggregation import Update, check_update
 from ondevice_moe.federation.evaluation import user_values
 from ondevice_moe.federation.job import Job
 from ondevice_moe.federation.rules import Slots
-from ondevice_moe.federation.transport import Transport, decode, encode, wire_reference
+from ondevice_moe.federation.transport import Transport, decode, encode
 from ondevice_moe.methods.base import is_expert_tensor
 from ondevice_moe.recipe import FederationSection
 from ondevice_moe.report import MetricsLog
@@ -125,7 +125,7 @@ def decode_update(update: Update, reference: dict[str, torch.Tensor], kind: Tran
     """``update`` with its tensors decoded (in ``reference``'s dtypes), once it passed
     :func:`check_update` as it travelled, so an upload in a wider dtype than ``kind`` sends
     is caught; or, unchanged, with why it is rejected."""
-    problem = check_update(update, wire_reference(reference, kind), partial)
+    problem = check_update(update, encode(reference, kind), partial)  # the reference as it would travel
     if problem:
         return update, problem
     try:

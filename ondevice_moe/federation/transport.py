@@ -33,7 +33,8 @@ WIRE_DTYPES = {"bf16": torch.int16, "fp16": torch.float16, "int8": torch.int8}
 
 
 def encode(tensors: Mapping[str, torch.Tensor], kind: Transport) -> dict[str, torch.Tensor]:
-    """The arrays that travel for ``tensors`` under ``kind``."""
+    """The arrays that travel for ``tensors`` under ``kind``. Meta tensors give meta arrays: the
+    names, shapes and dtypes an upload must have on the wire (what the server checks it against)."""
     if kind == "fp32":
         return dict(tensors)
     wire: dict[str, torch.Tensor] = {}
@@ -50,10 +51,9 @@ def encode(tensors: Mapping[str, torch.Tensor], kind: Transport) -> dict[str, to
 def quantize(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q, s)``: the int8 values and the float32 scale of one tensor (see the module docstring)."""
     values = tensor.detach().float()
-    scale = values.abs().max() / INT8_LEVELS if values.numel() else torch.tensor(0.0)
-    if scale.item() == 0:  # all zeros: any scale decodes them exactly
-        return torch.zeros_like(values, dtype=torch.int8), scale.reshape(())
-    levels = torch.round(values / scale).clamp(-INT8_LEVELS, INT8_LEVELS)
+    scale = values.abs().amax() / INT8_LEVELS if values.numel() else values.new_zeros(())
+    # An all-zero tensor has s = 0 and q = 0 (divided by 1 instead: any divisor gives zeros).
+    levels = torch.round(values / torch.where(scale > 0, scale, 1.0)).clamp(-INT8_LEVELS, INT8_LEVELS)
     return levels.to(torch.int8), scale.reshape(())
 
 
@@ -90,18 +90,3 @@ def _decode_one(name: str, array: torch.Tensor, wire: Mapping[str, torch.Tensor]
         raise ValueError(f"{name} travelled without a float32 scalar {name}{SCALE_SUFFIX}")
     return array.float() * scale.reshape(())
 
-
-def wire_reference(reference: Mapping[str, torch.Tensor], kind: Transport) -> dict[str, torch.Tensor]:
-    """What an upload checked against ``reference`` looks like on the wire: names, shapes and
-    dtypes as meta tensors (for :func:`~ondevice_moe.federation.aggregation.check_update`)."""
-    if kind == "fp32":
-        return dict(reference)
-    wire: dict[str, torch.Tensor] = {}
-    for name, tensor in reference.items():
-        if not tensor.is_floating_point():
-            wire[name] = tensor
-        else:
-            wire[name] = torch.empty(tensor.shape, dtype=WIRE_DTYPES[kind], device="meta")
-            if kind == "int8":
-                wire[name + SCALE_SUFFIX] = torch.empty((), dtype=torch.float32, device="meta")
-    return wire
