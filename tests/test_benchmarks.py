@@ -52,3 +52,20 @@ def test_benchmarks_refuse_cuda_without_a_gpu(benchmarks, monkeypatch):
     for script in benchmarks.values():
         with pytest.raises(UserError, match="cuda"):
             script.main(["--model", "tiny-llama", "--device", "cuda", "--steps", "1"])
+
+
+def test_transport_benchmark_runs_one_round_on_the_tiny_recipe(monkeypatch, tmp_path):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import transport
+
+    tiny = Path(__file__).parent / "recipes" / "tiny.yaml"
+    figures = transport.main(["--recipe", str(tiny), "--rounds", "1", "--iterations", "1", "--kinds", "int8",
+                              "--output", str(tmp_path)])
+    uploads = figures["upload_ratio_vs_fedavg_fp32"]
+    assert uploads["fedavg/fp32"] == 1
+    assert 0.25 < uploads["comigs-1G1S/int8"] / uploads["comigs-1G1S/fp32"] < 0.26
+    ppl = figures["test_ppl_ratio_vs_comigs_fp32"]
+    assert set(ppl) == {"comigs-1G1S/fp32", "comigs-1G1S/int8"}
+    assert all(ratio == 1 for ratio in ppl["comigs-1G1S/fp32"].values())
+    assert all(0.9 < ratio < 1.1 for ratio in ppl["comigs-1G1S/int8"].values())
+    assert "| comigs-1G1S/int8 |" in (tmp_path / "transport.md").read_text()
