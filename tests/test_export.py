@@ -56,7 +56,7 @@ def test_the_whole_model_reproduces_the_runs_test_metrics(tiny_run, tmp_path):
 
 def test_the_loaded_model_generates(tiny_run, tmp_path):
     assert _export(tiny_run, tmp_path / "out", "--experts", "all", "--format", "toolkit").exit_code == 0
-    assert not (tmp_path / "out" / "peft").exists()
+    assert not list((tmp_path / "out").glob("*/adapter_config.json"))
     model = ondevice_moe.load_adapted(None, tmp_path / "out")
     prompt = torch.tensor([[72, 101, 108, 108, 111]])
     generated = model.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=256)
@@ -68,7 +68,7 @@ def test_private_experts_stay_home_by_default(tiny_run, tmp_path):
     assert result.exit_code == 0, result.output
     tensors = load_file(str(tmp_path / "out" / "experts.safetensors"))
     assert tensors and not any("private" in name or "router" in name for name in tensors)
-    assert sorted(p.name for p in (tmp_path / "out" / "peft").iterdir()) == ["shared_0"]
+    assert sorted(p.parent.name for p in (tmp_path / "out").glob("*/adapter_config.json")) == ["shared_0"]
     parts = json.loads((tmp_path / "out" / "export.json").read_text())["parts"]
     assert {name: part["exported"] for name, part in parts.items()} == {
         "shared": True, "shared_0": True, "private_0": False, "router": False}
@@ -93,8 +93,8 @@ def test_the_card_describes_the_run(tiny_run, tmp_path):
 def test_peft_only_writes_adapters_and_the_card(tiny_run, tmp_path):
     result = _export(tiny_run, tmp_path / "out", "--format", "peft", method="fedavg")
     assert result.exit_code == 0, result.output
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["README.md", "peft"]
-    assert sorted(p.name for p in (tmp_path / "out" / "peft").iterdir()) == ["shared_0", "shared_1"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["README.md", "shared_0", "shared_1"]
+    assert all((tmp_path / "out" / name / "adapter_config.json").is_file() for name in ("shared_0", "shared_1"))
     card = (tmp_path / "out" / "README.md").read_text()
     assert "load_adapted(None" not in card and "mixes 2 experts (shared_0, shared_1)" in card
 
@@ -103,7 +103,7 @@ def test_force_replaces_an_earlier_export(tiny_run, tmp_path):
     assert _export(tiny_run, tmp_path / "out", "--experts", "all").exit_code == 0
     result = _export(tiny_run, tmp_path / "out", "--force")
     assert result.exit_code == 0, result.output
-    assert sorted(p.name for p in (tmp_path / "out" / "peft").iterdir()) == ["shared_0"]
+    assert sorted(p.parent.name for p in (tmp_path / "out").glob("*/adapter_config.json")) == ["shared_0"]
 
 
 @pytest.mark.parametrize(("options", "expected"), [
@@ -169,5 +169,6 @@ def test_push_creates_the_repo_and_uploads_the_folder(tiny_run, tmp_path, monkey
     result = _export(tiny_run, tmp_path / "out", "--push-to-hub", "org/name", "--private")
     assert result.exit_code == 0, result.output
     assert calls == [("create", "org/name", True, True),
-                     ("upload", "org/name", ["README.md", "experts.safetensors", "export.json", "peft", "recipe.yaml"])]
+                     ("upload", "org/name",
+                      ["README.md", "experts.safetensors", "export.json", "recipe.yaml", "shared_0"])]
     assert _front_matter(tmp_path / "out")["model-index"][0]["name"] == "org/name"

@@ -1,8 +1,8 @@
 """One export: a user's trained model from a finished run, written to a folder (and pushed).
 
 The folder holds, by ``fmt``: the toolkit's format (``toolkit``: the whole model,
-:mod:`~ondevice_moe.export.toolkit_format`), one PEFT adapter per LoRA expert under
-``peft/<expert>/`` (``peft``: :mod:`~ondevice_moe.export.peft_format`), or both
+:mod:`~ondevice_moe.export.toolkit_format`), one PEFT adapter per LoRA expert in
+``<expert>/`` (``peft``: :mod:`~ondevice_moe.export.peft_format`), or both
 (the default); and always the model card ``README.md``.
 """
 
@@ -22,7 +22,7 @@ from ondevice_moe.export.toolkit_format import MANIFEST, RECIPE, TENSORS, write_
 from ondevice_moe.run_model import UserModel, open_user_model
 
 FORMATS = ("both", "toolkit", "peft")
-PEFT_DIR = "peft"
+PEFT_CONFIG = "adapter_config.json"
 WRITTEN = ("README.md", MANIFEST, RECIPE, TENSORS)
 
 
@@ -63,7 +63,7 @@ def export_user(run_dir: Path, method: str, user: str, to: Path, experts: list[s
         write_toolkit_export(user_model, parts, selected, folder)
     base = base_model_of(user_model.recipe.model.name)
     names = peft_experts(selected) if fmt != "toolkit" else []
-    peft_folders = tuple(write_peft_folder(user_model, selected, name, folder / PEFT_DIR / name, base.name)
+    peft_folders = tuple(write_peft_folder(user_model, selected, name, folder / name, base.name)
                          for name in names)
     gap = _gap(user_model)
     write_model_card(folder, model_card(user_model, parts, selected, names, fmt != "peft", gap,
@@ -81,10 +81,11 @@ def _check_target(folder: Path, force: bool) -> None:
 
 
 def _clear_previous(folder: Path) -> None:
-    """Remove what an earlier export wrote into ``folder`` (and nothing else)."""
+    """Remove what an earlier export wrote into ``folder``: its files and PEFT adapter folders (and nothing else)."""
     for name in WRITTEN:
         (folder / name).unlink(missing_ok=True)
-    shutil.rmtree(folder / PEFT_DIR, ignore_errors=True)
+    for adapter in folder.glob(f"*/{PEFT_CONFIG}") if folder.is_dir() else ():
+        shutil.rmtree(adapter.parent)
 
 
 def _gap(user_model: UserModel) -> MixtureGap | None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from importlib import metadata
 from pathlib import Path
 
 import yaml
@@ -21,8 +20,8 @@ from ondevice_moe.export.mixture_gap import MixtureGap
 from ondevice_moe.methods import Role
 from ondevice_moe.models.registry import MODEL_ALIASES
 from ondevice_moe.run_model import UserModel
+from ondevice_moe.versions import versions
 
-VERSIONED = ("ondevice-moe", "peft", "flwr", "torch", "transformers")
 METRIC_NAMES = {"in": ("perplexity", "test perplexity, the user's own test split"),
                 "out": ("perplexity", "test perplexity, the union of all users' test splits"),
                 "score": (None, "test score on the user's own test split")}
@@ -53,17 +52,6 @@ def base_model_of(model_name: str) -> BaseModel:
     if alias.hub_id:
         return BaseModel(alias.hub_id, alias.description)
     return BaseModel(model_name, alias.description)
-
-
-def versions() -> dict[str, str]:
-    """Installed versions of the toolkit and the libraries an export depends on."""
-    found = {}
-    for package in VERSIONED:
-        try:
-            found[package] = metadata.version(package)
-        except metadata.PackageNotFoundError:
-            found[package] = "not installed"
-    return found
 
 
 def user_metrics(user_model: UserModel) -> dict[str, float]:
@@ -159,7 +147,7 @@ def _loading_text(peft_folders: list[str], toolkit: bool) -> str:
     if peft_folders:
         text += ("\nEach LoRA expert (with the attention LoRA it was trained with) as a PEFT adapter:\n\n"
                  "```python\nfrom peft import PeftModel\n"
-                 f"model = PeftModel.from_pretrained(base, \"path/to/this/folder/peft/{peft_folders[0]}\")\n```\n")
+                 f"model = PeftModel.from_pretrained(base, \"path/to/this/folder/{peft_folders[0]}\")\n```\n")
     return text
 
 
