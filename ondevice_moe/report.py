@@ -12,6 +12,7 @@ import os
 import re
 import statistics
 from collections import Counter, defaultdict
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from ondevice_moe.metrics import LOWER_IS_BETTER
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+from matplotlib.ticker import MaxNLocator
 
 
 class CorruptLog(ValueError):
@@ -194,14 +196,18 @@ def score_title(summary: dict[str, Any]) -> str:
     return f"Test {metric} ×100 after the last round (higher is better)"
 
 
-def write_report(run_dir: Path, recipe_name: str, summary: dict[str, Any], plots: list[Path]) -> Path:
+def write_report(run_dir: Path, recipe_name: str, summary: dict[str, Any], plots: list[Path],
+                 facts: Sequence[str] = ()) -> Path:
+    """``summary.json`` and ``report.md``: the run's ``facts`` (seed, rounds, devices, date, versions,
+    dropped updates), the results table, the method-specific sections and the plots."""
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
     where = ("Per-user columns are in distribution (each user's own test split); out of distribution is the "
              "union of all users' test splits. Mean (std) over users."
              if summary.get("metric", "perplexity") == "perplexity" else
              "Each client on its own test split; mean (std) over clients.")
     caption = f"{score_title(summary)}. {where}"
-    lines = [f"# {recipe_name}", "", caption, "", markdown_table(summary), "", *_centres_section(summary),
+    lines = [f"# {recipe_name}", "", *(f"- {fact}" for fact in facts), *([""] if facts else []),
+             caption, "", markdown_table(summary), "", *_centres_section(summary),
              *_personalisation_section(summary), *_drops_section(summary)]
     lines += [f"![{p.stem}](plots/{p.name})" for p in plots]
     path = run_dir / "report.md"
@@ -268,7 +274,8 @@ def _drops_section(summary: dict[str, Any]) -> list[str]:
 
 
 def plot_expert_scores(records: list[dict[str, Any]], method: str, path: Path) -> Path | None:
-    """Mean routing weight of expert 0 (the generalist) per layer over iterations (CoMiGS Fig. 4)."""
+    """Mean routing weight of expert 0 (the generalist) per layer over rounds (CoMiGS Fig. 4):
+    one line per layer, coloured by its band of depth, with one legend entry per band."""
     trains = [r for r in records if r["method"] == method and r["kind"] == "train"]
     by_user: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for record in trains:
@@ -279,20 +286,42 @@ def plot_expert_scores(records: list[dict[str, Any]], method: str, path: Path) -
         return None
     expert = "shared_0" if "shared_0" in first_expert else first_expert[0]
     layers = sorted({int(k.split("/")[0].removeprefix("layer_")) for k in keys})
-    figure, axes = plt.subplots(1, len(by_user), figsize=(4 * len(by_user), 3.2), squeeze=False, sharey=True)
-    colours = plt.cm.viridis_r([i / max(len(layers) - 1, 1) for i in range(len(layers))])
+    bands = layer_bands(layers)
+    colours = plt.cm.viridis_r([i / max(len(bands) - 1, 1) for i in range(len(bands))])
+    figure, axes = plt.subplots(1, len(by_user), figsize=(4 * len(by_user), 3.4), squeeze=False, sharey=True)
     for axis, (user, rows) in zip(axes[0], sorted(by_user.items()), strict=True):
-        rows.sort(key=lambda r: r["iteration"])
-        for layer, colour in zip(layers, colours, strict=True):
-            key = f"layer_{layer}/expert_{expert}_score"
-            points = [(r["iteration"], r[key]) for r in rows if key in r]
-            if points:
-                axis.plot(*zip(*points, strict=True), color=colour, linewidth=1)
+        rows.sort(key=lambda r: r["round"])
+        for band, colour in zip(bands, colours, strict=True):
+            for index, layer in enumerate(band):
+                key = f"layer_{layer}/expert_{expert}_score"
+                points = [(r["round"], r[key]) for r in rows if key in r]
+                if points:
+                    axis.plot(*zip(*points, strict=True), color=colour, linewidth=1, marker=".",
+                              label=_band_label(band) if index == 0 else None)
         axis.set_title(user)
-        axis.set_xlabel("iteration")
+        axis.set_xlabel("round")
+        axis.xaxis.set_major_locator(MaxNLocator(integer=True))
     axes[0][0].set_ylabel(f"score of {expert}")
-    figure.suptitle(f"{method}: expert scores per layer (darker = deeper)")
+    axes[0][-1].legend(title="layers", fontsize="small", loc="upper left", bbox_to_anchor=(1.02, 1.0))
+    figure.suptitle(f"{method}: expert scores per layer")
     return _save(figure, path)
+
+
+def layer_bands(layers: list[int], most: int = 6) -> list[list[int]]:
+    """``layers`` in at most ``most`` consecutive bands of near-equal size (each layer its own band
+    when there are few), so a plot of 30 layers needs six legend entries, not thirty."""
+    count = min(len(layers), most)
+    size, extra = divmod(len(layers), count)
+    bands, start = [], 0
+    for band in range(count):
+        stop = start + size + (band < extra)
+        bands.append(layers[start:stop])
+        start = stop
+    return bands
+
+
+def _band_label(band: list[int]) -> str:
+    return str(band[0]) if len(band) == 1 else f"{band[0]}–{band[-1]}"
 
 
 def plot_rounds(records: list[dict[str, Any]], methods: list[str], path: Path) -> Path | None:
@@ -332,9 +361,11 @@ def plot_communication(records: list[dict[str, Any]], methods: list[str], path: 
     if not uploads:
         return None
     figure, axis = plt.subplots(figsize=(max(4.0, 0.8 * len(uploads) + 2), 3.6))
-    axis.bar(list(uploads), list(uploads.values()), color="tab:blue")
-    axis.set_yscale("log")  # full fine-tuning dwarfs the PEFT methods
-    axis.set_ylabel("upload per round, all devices (MiB)")
+    bars = axis.bar(list(uploads), list(uploads.values()), color="tab:blue")
+    # A linear axis, so bar heights compare; full fine-tuning can dwarf the PEFT bars, so each carries its value.
+    axis.bar_label(bars, labels=[format_bytes(mib * 2**20) for mib in uploads.values()], fontsize="small")
+    axis.margins(y=0.15)
+    axis.set_ylabel("upload per round,\nall devices (MiB)")
     axis.tick_params(axis="x", labelrotation=45)
     for label in axis.get_xticklabels():
         label.set_horizontalalignment("right")

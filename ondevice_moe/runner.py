@@ -14,6 +14,7 @@ import os
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ from ondevice_moe.report import (
     summarize,
     write_report,
 )
+from ondevice_moe.versions import versions
 
 
 @dataclass
@@ -128,8 +130,19 @@ def finish_report(recipe: Recipe, run_dir: Path) -> RunResult:
             plot = plot_expert_scores(records, method.name, run_dir / "plots" / f"expert_scores_{method.name}.png")
             if plot:
                 plots.append(plot)
-    report = write_report(run_dir, recipe.name, summary, plots)
+    report = write_report(run_dir, recipe.name, summary, plots, run_facts(recipe, summary))
     return RunResult(run_dir, summary, report)
+
+
+def run_facts(recipe: Recipe, summary: dict[str, Any]) -> list[str]:
+    """What a reader of ``report.md`` needs to know of the run before its numbers: seeds,
+    rounds, devices, when the report was written, with which versions, and dropped updates."""
+    dropped = sum(count for method in summary["methods"].values() for count in method.get("dropped", {}).values())
+    return [f"seed {recipe.seed} (data seed {recipe.split_seed}), {recipe.federation.rounds} rounds, "
+            f"{len(recipe.user_names)} devices, model {recipe.model.name}",
+            f"written {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')} with "
+            + ", ".join(f"{package} {version}" for package, version in versions().items()),
+            "dropped updates: " + (f"{dropped} (see Dropped devices below)" if dropped else "none")]
 
 
 SUITES = {"lm": True, "glue": False}  # suite → is it for language-modelling runs
