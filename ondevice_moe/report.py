@@ -304,7 +304,7 @@ def plot_expert_scores(records: list[dict[str, Any]], method: str, path: Path) -
     axes[0][0].set_ylabel(f"score of {expert}")
     axes[0][-1].legend(title="layers", fontsize="small", loc="upper left", bbox_to_anchor=(1.02, 1.0))
     figure.suptitle(f"{method}: expert scores per layer")
-    return _save(figure, path)
+    return save_figure(figure, path)
 
 
 def layer_bands(layers: list[int], most: int = 6) -> list[list[int]]:
@@ -348,7 +348,7 @@ def plot_rounds(records: list[dict[str, Any]], methods: list[str], path: Path) -
     language = any("test_ppl_in" in r for r in records if r["kind"] == "eval")
     axis.set_ylabel("mean test perplexity (in-dist)" if language else "mean test score")
     axis.legend()
-    return _save(figure, path)
+    return save_figure(figure, path)
 
 
 def plot_communication(records: list[dict[str, Any]], methods: list[str], path: Path) -> Path | None:
@@ -369,10 +369,10 @@ def plot_communication(records: list[dict[str, Any]], methods: list[str], path: 
     axis.tick_params(axis="x", labelrotation=45)
     for label in axis.get_xticklabels():
         label.set_horizontalalignment("right")
-    return _save(figure, path)
+    return save_figure(figure, path)
 
 
-def _save(figure, path: Path) -> Path:
+def save_figure(figure, path: Path) -> Path:
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=110)

@@ -45,7 +45,7 @@ def _records() -> list[dict]:
 
 def test_expert_scores_plot_has_a_legend_entry_per_band_and_integer_rounds(tmp_path, monkeypatch):
     figures = []
-    monkeypatch.setattr(report, "_save", lambda figure, path: figures.append(figure) or path)
+    monkeypatch.setattr(report, "save_figure", lambda figure, path: figures.append(figure) or path)
     report.plot_expert_scores(_records(), "m", tmp_path / "scores.png")
     axis = figures[0].axes[0]
     assert [text.get_text() for text in axis.get_legend().get_texts()] == ["0–1", "2–3", "4–5", "6–7", "8–9", "10–11"]
@@ -56,7 +56,7 @@ def test_expert_scores_plot_has_a_legend_entry_per_band_and_integer_rounds(tmp_p
 
 def test_every_communication_bar_carries_its_value(tmp_path, monkeypatch):
     figures = []
-    monkeypatch.setattr(report, "_save", lambda figure, path: figures.append(figure) or path)
+    monkeypatch.setattr(report, "save_figure", lambda figure, path: figures.append(figure) or path)
     records = [{"method": m, "kind": "comm", "bytes_up": size} for m, size in (("ft", 2**30), ("lora", 3 * 2**20))]
     report.plot_communication(records, ["ft", "lora"], tmp_path / "comm.png")
     labels = [text.get_text() for text in figures[0].axes[0].texts]

@@ -11,7 +11,7 @@ from matplotlib.colors import ListedColormap
 
 from ondevice_moe.inspect.capture import TokenRouting
 from ondevice_moe.inspect.rounds import DeviceBytes, ScoreGrid
-from ondevice_moe.report import _save, format_bytes, plt
+from ondevice_moe.report import format_bytes, plt, save_figure
 
 # Shared experts in cool colours, private ones in warm colours (tab10).
 SHARED_COLOURS = ("#1f77b4", "#2ca02c", "#17becf", "#9467bd", "#7f7f7f")
@@ -48,7 +48,7 @@ def plot_score_grid(grid: ScoreGrid, title: str, path: Path) -> Path:
         axis.set_yticks(range(len(grid.layers)), grid.layers, fontsize=7)
     figure.colorbar(image, ax=axes[0][-1], label=f"score (white: {even:.2f})")
     figure.suptitle(title, fontsize=10)
-    return _save(figure, path)
+    return save_figure(figure, path)
 
 
 def plot_token_grid(routing: TokenRouting, colours: dict[str, str], path: Path) -> Path:
@@ -64,7 +64,7 @@ def plot_token_grid(routing: TokenRouting, colours: dict[str, str], path: Path) 
     handles = [plt.Rectangle((0, 0), 1, 1, color=colours[name]) for name in routing.experts]
     axis.legend(handles, routing.experts, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
     axis.set_title("expert with the largest routing weight, per layer and token", fontsize=9)
-    return _save(figure, path)
+    return save_figure(figure, path)
 
 
 def plot_instance_policy(q0: np.ndarray, labels: list[str], path: Path) -> Path:
@@ -77,7 +77,7 @@ def plot_instance_policy(q0: np.ndarray, labels: list[str], path: Path) -> Path:
     axis.set_xlabel("test instance (label)", fontsize=8)
     figure.colorbar(image, ax=axis, label="q of the global copy")
     axis.set_title("Flow's policy: red takes the global copy, blue the local one", fontsize=9)
-    return _save(figure, path)
+    return save_figure(figure, path)
 
 
 def plot_device_bytes(traffic: DeviceBytes, path: Path) -> Path:
@@ -95,4 +95,4 @@ def plot_device_bytes(traffic: DeviceBytes, path: Path) -> Path:
     axis.set_ylim(0, top * 1.3)  # room for the legend above the bars
     axis.set_ylabel("bytes" + ("" if traffic.per_device else " (mean per device)"))
     axis.legend(loc="upper left", ncol=2)
-    return _save(figure, path)
+    return save_figure(figure, path)
