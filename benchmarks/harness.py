@@ -5,7 +5,9 @@ alternate (A B, B A, A B, …), so a shared or throttled machine slows both
 sides alike; the figures are medians after one warm-up step each.
 Peak memory: each configuration runs in a fresh child process (the calling
 script with ``--measure-memory KIND``), so its peak is its own: peak resident
-set size (``VmHWM``) on the CPU, peak allocated memory on CUDA.
+set size (``VmHWM``) on the CPU, peak allocated memory on CUDA; and on the CPU
+also the peak of live tensors (``tensor_peak.py``), which leaves out what the
+allocator holds and what the process maps without touching.
 On the CPU the children run with glibc's mmap threshold fixed at 1 MiB
 (``MALLOC_MMAP_THRESHOLD_``): by default glibc raises the threshold after
 each large free, so later activations come from the heap, and the peak then
@@ -31,6 +33,7 @@ from dataclasses import dataclass
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
+from tensor_peak import peak_tensor_mib
 from torch import nn
 
 from ondevice_moe.models import load_base_model
@@ -128,7 +131,10 @@ def _clock(device: torch.device) -> float:
 
 
 def measure_memory(build: Callable[[], Configuration], device: torch.device) -> dict[str, float]:
-    """In a child process: build one configuration and run two steps; its peak memory in MiB."""
+    """In a child process: build one configuration and run two steps; its peak memory in MiB.
+
+    ``tensor_peak_mib``: the peak of live tensors (a third step, :mod:`tensor_peak`, on the CPU;
+    CUDA's peak allocated memory, which counts the same, on CUDA)."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     before = _resident_mib(device)
@@ -137,7 +143,8 @@ def measure_memory(build: Callable[[], Configuration], device: torch.device) -> 
     for _ in range(2):
         configuration.step()
     peak = _peak_mib(device)
-    return {"peak_mib": peak, "training_mib": peak - loaded, "model_mib": loaded - before}
+    tensors = peak if device.type == "cuda" else peak_tensor_mib(configuration.step)
+    return {"peak_mib": peak, "training_mib": peak - loaded, "model_mib": loaded - before, "tensor_peak_mib": tensors}
 
 
 def _resident_mib(device: torch.device) -> float:

@@ -29,41 +29,26 @@ import argparse
 import json
 import os
 from collections.abc import Sequence
-from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from ondevice_moe import runner
-from ondevice_moe.recipe import load_recipe
+import simulations
 
-ROOT = Path(__file__).resolve().parents[1]
 UPLOAD_REFERENCE = "fedavg/fp32"
 PPL_REFERENCE = "comigs-1G1S/fp32"
 COMIGS = "{name: comigs, variant: 1G1S}"
 
 
 def options(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--recipe", type=Path, default=ROOT / "recipes" / "demo.yaml")
-    parser.add_argument("--rounds", type=int, help="federation.rounds (default: the recipe's)")
-    parser.add_argument("--iterations", type=int, help="federation.local_iterations (default: the recipe's)")
+    parser = simulations.parser(__doc__, "transport-benchmark")
     parser.add_argument("--kinds", nargs="+", default=["int8", "bf16"], choices=["bf16", "fp16", "int8"],
                         help="transports to compare with fp32")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="further recipe overrides, as `ondevice-moe finetune --set`")
-    parser.add_argument("--output", type=Path, default=ROOT / "runs" / "transport-benchmark")
     return parser.parse_args(argv)
 
 
 def run_configuration(args: argparse.Namespace, kind: str, methods: str) -> dict[str, dict]:
     """Run ``methods`` under transport ``kind``; ``{"<method>/<kind>": summary entry}``."""
-    overrides = [*args.overrides, f"methods={methods}", f"federation.transport={kind}"]
-    if args.rounds:
-        overrides.append(f"federation.rounds={args.rounds}")
-    if args.iterations:
-        overrides.append(f"federation.local_iterations={args.iterations}")
-    result = runner.run_recipe(load_recipe(args.recipe, overrides), args.output / kind)
-    return {f"{method}/{kind}": entry for method, entry in result.summary["methods"].items()}
+    return simulations.run_variant(args, kind, [f"methods={methods}", f"federation.transport={kind}"])
 
 
 def figures_of(entries: dict[str, dict]) -> dict[str, object]:

@@ -365,7 +365,8 @@ class Recipe(_Section):
             whole = [m.name for m in built if m.procedure.full_finetune]
             if whole:
                 raise ValueError(f"methods {whole} train every base weight, which a {self.model.quantization} "
-                                 "base cannot: quantized weights are frozen; drop them or set model.quantization: none")
+                                 "base cannot: quantized weights are frozen; drop them, give FLoRAL and Local "
+                                 "Adaptor entries `train_base: false`, or set model.quantization: none")
         names = [m.name for m in built]
         repeated = sorted({name for name in names if names.count(name) > 1})
         if repeated:

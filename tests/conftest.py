@@ -31,3 +31,21 @@ def tokens():
 @pytest.fixture
 def tokenizer():
     return byte_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def saved_tiny_models(tmp_path_factory):
+    """Tiny random models saved as local folders (``name -> folder``), so that they load through the
+    real ``from_pretrained`` path, bitsandbytes quantization included: ``tiny-llama`` a causal LM,
+    ``tiny-bert`` an encoder without a head (a classifier gets a fresh head with any number of labels)."""
+    from ondevice_moe.models.tiny import tiny_model as build_tiny
+
+    folders = {}
+    for name, num_labels in (("tiny-llama", None), ("tiny-bert", 2)):
+        folder = tmp_path_factory.mktemp(name)
+        torch.manual_seed(0)
+        model = build_tiny(name, VOCAB, num_labels)
+        (model.bert if num_labels else model).save_pretrained(folder)
+        byte_tokenizer().save_pretrained(folder)
+        folders[name] = folder
+    return folders

@@ -17,8 +17,9 @@ def benchmarks(monkeypatch):
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     import comigs_client
     import hermes_client
+    import quantization
 
-    return {"comigs": comigs_client, "hermes": hermes_client}
+    return {"comigs": comigs_client, "hermes": hermes_client, "quantization": quantization}
 
 
 def _assert_side_by_side(figures: dict, peer: str, ours: str) -> None:
@@ -47,6 +48,41 @@ def test_hermes_benchmark_runs_one_step_on_tiny_gpt2(benchmarks):
     assert params["hermes"] > params["peft-lora"] > 0  # LoRA + adapter + prefix against LoRA alone
 
 
+def test_quantization_benchmark_runs_one_step_per_base(benchmarks, saved_tiny_models):
+    kinds = ["fp32", "int8", "nf4-bf16"]  # each side's memory child costs a torch start-up
+    figures = benchmarks["quantization"].main(["--model", str(saved_tiny_models["tiny-llama"]), "--kinds", *kinds[1:],
+                                               *TINY_RUN])
+    assert list(figures["step_s"]) == list(figures["tensor_peak_mib"]) == kinds
+    weights = figures["weights_ratio"]
+    assert weights["fp32"] == 1
+    assert weights["nf4-bf16"] < weights["int8"] < 1, "bitsandbytes packs the linear layers"
+    assert all(figures["step_s"][kind] > 0 and figures["peak_rss_mib"][kind] > 0 for kind in kinds)
+    tensors = figures["tensor_peak_mib"]
+    assert all(tensors[kind] > figures["weights_mib"][kind] for kind in kinds), "the step adds to the weights"
+
+
+def test_live_tensor_peak_counts_what_is_alive_at_once(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from tensor_peak import LiveTensorPeak
+
+    mib = 2**20 // 4  # float32 elements in 1 MiB
+    kept = []
+
+    def step():
+        big = torch.ones(4 * mib)  # 4 MiB, freed before the next two
+        del big
+        small = torch.zeros(2 * mib)
+        kept.append(small[: mib])  # a view keeps its whole 2 MiB storage alive
+        kept.append(torch.ones(mib) + 1)  # 1 MiB: the ones is freed, the sum kept
+
+    with LiveTensorPeak() as meter:
+        start = meter.peak_bytes
+        step()
+    assert (meter.peak_bytes - start) / 2**20 == pytest.approx(4, abs=0.01)
+    alive = sum(size for ref, size in meter.live.values() if not ref.expired())
+    assert (alive - start) / 2**20 == pytest.approx(3, abs=0.01)
+
+
 def test_benchmarks_refuse_cuda_without_a_gpu(benchmarks, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     for script in benchmarks.values():
@@ -69,3 +105,21 @@ def test_transport_benchmark_runs_one_round_on_the_tiny_recipe(monkeypatch, tmp_
     assert all(ratio == 1 for ratio in ppl["comigs-1G1S/fp32"].values())
     assert all(0.9 < ratio < 1.1 for ratio in ppl["comigs-1G1S/int8"].values())
     assert "| comigs-1G1S/int8 |" in (tmp_path / "transport.md").read_text()
+
+
+def test_quantized_training_benchmark_compares_a_trained_nf4_base_with_the_float_one(monkeypatch, tmp_path,
+                                                                                     saved_tiny_models):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import quantized_training
+
+    tiny = Path(__file__).parent / "recipes" / "tiny.yaml"
+    figures = quantized_training.main(["--recipe", str(tiny), "--rounds", "1", "--iterations", "1",
+                                       "--set", f"model.name={saved_tiny_models['tiny-llama']}",
+                                       "--output", str(tmp_path)])
+    rows = figures["rows"]
+    assert set(rows) == {"pretrained/none", "pretrained/nf4", "comigs-1G1S/none", "comigs-1G1S/nf4"}
+    assert all(v["ratio"] == 1 and not v["beyond_noise"] for v in rows["comigs-1G1S/none"].values())
+    nf4 = rows["pretrained/nf4"].values()
+    assert all(math.isfinite(v["ratio"]) for v in nf4) and any(v["ratio"] != 1 for v in nf4), "NF4 changes the base"
+    assert set(figures["wall_s"]) == {"none", "nf4"}
+    assert "| comigs-1G1S/nf4 |" in (tmp_path / "quantized_training.md").read_text()

@@ -4,9 +4,9 @@ the base stays quantized and frozen, experts and task heads train in float."""
 import pytest
 import torch
 
+from ondevice_moe.errors import UserError
 from ondevice_moe.layout import ExpertSpec, Layout, RouterSpec, attach_layout
 from ondevice_moe.models import load_base_model
-from ondevice_moe.models.tiny import byte_tokenizer, tiny_model
 
 LAYOUTS = {
     "comigs-mlp-mixture": Layout(experts=(ExpertSpec("adapter", "shared"), ExpertSpec("lora", "private")),
@@ -20,19 +20,6 @@ LAYOUTS = {
 CASES = [("tiny-llama", "comigs-mlp-mixture"), ("tiny-llama", "hermes-block"), ("tiny-bert", "hermes-block")]
 
 
-@pytest.fixture(scope="module")
-def saved_models(tmp_path_factory):
-    """Tiny models saved as local folders, so they load through the real from_pretrained + bitsandbytes path."""
-    saved = {}
-    for name, num_labels in (("tiny-llama", None), ("tiny-bert", 3)):
-        folder = tmp_path_factory.mktemp(name)
-        torch.manual_seed(0)
-        tiny_model(name, 257, num_labels).save_pretrained(folder)
-        byte_tokenizer().save_pretrained(folder)
-        saved[name] = (folder, num_labels)
-    return saved
-
-
 def _batch(num_labels):
     tokens = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
     if num_labels is None:
@@ -42,8 +29,8 @@ def _batch(num_labels):
 
 @pytest.mark.parametrize("quantization", ["nf4", "int8"])
 @pytest.mark.parametrize(("name", "layout_name"), CASES)
-def test_experts_train_on_a_quantized_base(saved_models, quantization, name, layout_name):
-    folder, num_labels = saved_models[name]
+def test_experts_train_on_a_quantized_base(saved_tiny_models, quantization, name, layout_name):
+    folder, num_labels = saved_tiny_models[name], (3 if name == "tiny-bert" else None)
     layout = LAYOUTS[layout_name]
     base = load_base_model(str(folder), "float32", quantization, num_labels).model
     quantized = [n for n, p in base.named_parameters() if p.dtype in (torch.uint8, torch.int8)]
@@ -63,3 +50,9 @@ def test_experts_train_on_a_quantized_base(saved_models, quantization, name, lay
     if num_labels:
         assert any(n.startswith("classifier") for n in with_grad), "the float task head must train"
     assert not any(n in quantized for n in trained), "quantized weights must stay frozen"
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "mlp"])
+def test_a_model_built_in_memory_is_not_silently_left_unquantized(name):
+    with pytest.raises(UserError, match=r"cannot be quantized(.|\n)*save_pretrained"):
+        load_base_model(name, quantization="nf4", num_labels=10, input_shape=(64,))

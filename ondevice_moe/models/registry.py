@@ -125,8 +125,12 @@ def load_base_model(
     target = resolve_device(device)
     regression = num_labels == 1 if regression is None else regression
     torch.manual_seed(seed)
+    if quantization != "none" and name in (*SMALL_MODELS, *TINY_MODELS):
+        raise UserError(f"model '{name}' is built in memory and cannot be quantized (quantization: {quantization})",
+                        "bitsandbytes quantizes models loaded from a folder or the hub: use `model.quantization: "
+                        "none`, or save the model with save_pretrained and name its folder")
     if name in SMALL_MODELS:
-        model = _small(name, quantization, num_labels, regression, seed, input_shape, model_options)
+        model = _small(name, num_labels, regression, seed, input_shape, model_options)
         tokenizer = None
     elif name in TINY_MODELS:
         tokenizer = byte_tokenizer()
@@ -143,11 +147,8 @@ def load_base_model(
     return LoadedModel(name=name, model=model, tokenizer=tokenizer)
 
 
-def _small(name: str, quantization: Quantization, num_labels: int | None, regression: bool, seed: int,
-           input_shape: Sequence[int] | None, options: Mapping[str, object] | None) -> nn.Module:
-    if quantization != "none":
-        raise UserError(f"model '{name}' cannot be quantized (quantization: {quantization})",
-                        "use `model.quantization: none` with the small models")
+def _small(name: str, num_labels: int | None, regression: bool, seed: int, input_shape: Sequence[int] | None,
+           options: Mapping[str, object] | None) -> nn.Module:
     if num_labels is None or input_shape is None:
         raise UserError(f"model '{name}' is a small model for vector or image tasks, not a language model",
                         "use it with a small task (e.g. digits-rotate, floral-linear), or pick a language model")
