@@ -240,6 +240,30 @@ class FaultSection(_Section):
         return self.rounds == "all" or server_round in self.rounds
 
 
+class SecAggPlusSection(_Section):
+    """The parameters of Flower's SecAgg+ (``flwr.server.workflow.SecAggPlusWorkflow``;
+    Bell et al., 2020), with Flower's meanings and defaults; ``num_shares`` /
+    ``reconstruction_threshold`` as in Flower's SecAgg+ example (an int counts devices,
+    a float is a fraction). ``max_weight`` bounds a device's weight under
+    ``weighting: num_examples`` (uniform weighting sends weight 1)."""
+
+    num_shares: int | float = 3
+    reconstruction_threshold: int | float = 2
+    clipping_range: float = Field(8.0, gt=0)
+    quantization_range: int = Field(2**22, gt=0)
+    max_weight: float = Field(1000.0, gt=0)
+
+    @model_validator(mode="after")
+    def _flower_accepts(self) -> SecAggPlusSection:
+        from flwr.server.workflow import SecAggPlusWorkflow
+
+        try:
+            SecAggPlusWorkflow(**self.model_dump())
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"Flower's SecAgg+ refuses these parameters: {error}") from None
+        return self
+
+
 class FederationSection(_Section):
     """Rounds, local work and the server's sampling and failure policy.
 
@@ -249,7 +273,9 @@ class FederationSection(_Section):
     waits for replies; ``eval_every``: evaluate every n rounds (and always
     after the last); ``transport``: how shared tensors travel both ways,
     ``fp32`` (as they are), ``bf16``/``fp16`` (cast) or ``int8`` (symmetric,
-    one scale per tensor; :mod:`ondevice_moe.federation.transport`).
+    one scale per tensor; :mod:`ondevice_moe.federation.transport`);
+    ``secure_aggregation``: ``none`` or ``secaggplus`` (Flower's SecAgg+, parameters
+    under ``secaggplus``; :mod:`ondevice_moe.federation.secure_aggregation`).
     """
 
     rounds: int = Field(20, ge=1)
@@ -265,11 +291,47 @@ class FederationSection(_Section):
     eval_every: int = Field(1, ge=1)
     transport: Transport = "fp32"
     faults: list[FaultSection] = Field(default_factory=list)
+    secure_aggregation: Literal["none", "secaggplus"] = "none"
+    secaggplus: SecAggPlusSection = SecAggPlusSection()
 
     @model_validator(mode="after")
     def _one_sampling_rule(self) -> FederationSection:
         if self.fraction_train is not None and self.clients_per_round is not None:
             raise ValueError("give `fraction_train` or `clients_per_round`, not both")
+        return self
+
+    @model_validator(mode="after")
+    def _secure_aggregation_fits(self) -> FederationSection:
+        if self.secure_aggregation == "none":
+            return self
+        if self.transport != "fp32":
+            raise ValueError(f"secure_aggregation: secaggplus quantizes uploads into its own integer ring "
+                             f"(secaggplus.quantization_range), so transport {self.transport} does not apply; "
+                             "set transport: fp32")
+        corrupting = sorted({f.kind for f in self.faults} & {"nan", "wrong-shape"})
+        if corrupting:
+            raise ValueError(f"faults {corrupting} corrupt one device's upload, which the server cannot see, "
+                             "check or drop under secure_aggregation: secaggplus (only the masked sum); "
+                             "use crash or slow faults, or secure_aggregation: none")
+        return self
+
+
+class PrivacySection(_Section):
+    """Differential privacy of what leaves a device (:mod:`ondevice_moe.federation.privacy`):
+    each round's update of the shared tensors is clipped to L2 norm ``clip_norm`` and gets
+    Gaussian noise of std ``noise_multiplier · clip_norm`` on the device. Off by default."""
+
+    clip_norm: float | None = Field(None, gt=0)
+    noise_multiplier: float = Field(0.0, ge=0)
+
+    @property
+    def enabled(self) -> bool:
+        return self.clip_norm is not None
+
+    @model_validator(mode="after")
+    def _noise_needs_a_bound(self) -> PrivacySection:
+        if self.noise_multiplier > 0 and self.clip_norm is None:
+            raise ValueError("noise_multiplier scales the noise to clip_norm: give clip_norm too")
         return self
 
 
@@ -336,6 +398,7 @@ class Recipe(_Section):
     data: DataSection | None = None
     task: TaskSection | None = None
     federation: FederationSection = FederationSection()
+    privacy: PrivacySection = PrivacySection()
     training: TrainingSection = TrainingSection()
     methods: list[MethodEntry] = Field(min_length=1)
 
@@ -367,6 +430,14 @@ class Recipe(_Section):
                 raise ValueError(f"methods {whole} train every base weight, which a {self.model.quantization} "
                                  "base cannot: quantized weights are frozen; drop them, give FLoRAL and Local "
                                  "Adaptor entries `train_base: false`, or set model.quantization: none")
+        if self.federation.secure_aggregation != "none":
+            from ondevice_moe.federation.secure_aggregation import refusal
+
+            refused = [f"{m.name}: {why}" for m in built if (why := refusal(m))]
+            if refused:
+                raise ValueError("secure_aggregation: secaggplus only sums one weighted vector per device, so it "
+                                 "cannot run " + "; ".join(refused) + ". Drop these methods or set "
+                                 "federation.secure_aggregation: none")
         names = [m.name for m in built]
         repeated = sorted({name for name in names if names.count(name) > 1})
         if repeated:

@@ -110,7 +110,8 @@ def summarize(records: list[dict[str, Any]], methods: list[str], users: list[str
     Language modelling: ``in`` / ``out`` test perplexity; other tasks: the
     task's ``metric`` as ``score`` (×100 for fractions such as accuracy, as it
     is for errors such as MSE). ``dropped``: how often each user's device was
-    dropped from a round (it raised, timed out or sent a rejected update).
+    dropped from a round (it raised, timed out or sent a rejected update). ``privacy``:
+    each round's clip norm, noise, clipped updates and largest pre-clip norm (recipe ``privacy``).
     """
     summary: dict[str, Any] = {"users": users, "metric": metric, "methods": {}}
     for method in methods:
@@ -140,6 +141,12 @@ def summarize(records: list[dict[str, Any]], methods: list[str], users: list[str
             statistics.fmean(r.get("bytes_up_not_experts", 0) for r in comm) if comm else 0.0)
         entry["download_bytes_per_round"] = statistics.fmean(r["bytes_down"] for r in comm) if comm else 0.0
         entry["dropped"] = dict(Counter(r["user"] for r in records if r["method"] == method and r["kind"] == "drop"))
+        privacy = [r for r in records if r["method"] == method and r["kind"] == "privacy"]
+        if privacy:
+            entry["privacy"] = [{key: r[key] for key in ("round", "clip_norm", "noise_multiplier", "noise_std",
+                                                         "devices", "clipped")}
+                                | {"max_update_norm": max(r["update_norms"].values(), default=0.0)}
+                                for r in sorted(privacy, key=lambda r: r["round"])]
         centres = {key: value for key, value in final[users[0]].items() if CENTRE_KEY.fullmatch(key)}
         if centres:
             entry["centres"] = centres
@@ -208,7 +215,7 @@ def write_report(run_dir: Path, recipe_name: str, summary: dict[str, Any], plots
     caption = f"{score_title(summary)}. {where}"
     lines = [f"# {recipe_name}", "", *(f"- {fact}" for fact in facts), *([""] if facts else []),
              caption, "", markdown_table(summary), "", *_centres_section(summary),
-             *_personalisation_section(summary), *_drops_section(summary)]
+             *_personalisation_section(summary), *_privacy_section(summary), *_drops_section(summary)]
     lines += [f"![{p.stem}](plots/{p.name})" for p in plots]
     path = run_dir / "report.md"
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
@@ -259,6 +266,20 @@ def _personalisation_section(summary: dict[str, Any]) -> list[str]:
             "personalised model only, both, neither; and the % of clients with Acc_p > Acc_g.", "",
             "| method | Acc_g | Acc_p | global only | personalised only | both | neither | % clients Acc_p > Acc_g |",
             "|---|---|---|---|---|---|---|---|", *rows, ""]
+
+
+def _privacy_section(summary: dict[str, Any]) -> list[str]:
+    """Each round's differential-privacy parameters (recipe ``privacy``), for methods run with them."""
+    rows = [f"| {name} | {r['round']} | {r['clip_norm']:g} | {r['noise_multiplier']:g} | {r['noise_std']:g} | "
+            f"{r['clipped']} of {r['devices']} | {r['max_update_norm']:.4g} |"
+            for name, m in summary["methods"].items() for r in m.get("privacy", [])]
+    if not rows:
+        return []
+    return ["## Differential privacy", "",
+            "Each device clipped its round's update of the shared tensors to L2 norm C and added Gaussian noise "
+            "of std σ = z·C per coordinate before encoding it (docs/federation.md). Norms are before clipping.", "",
+            "| method | round | clip norm C | noise multiplier z | noise std σ | updates clipped | largest norm |",
+            "|---|---|---|---|---|---|---|", *rows, ""]
 
 
 def _drops_section(summary: dict[str, Any]) -> list[str]:

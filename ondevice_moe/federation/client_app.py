@@ -13,7 +13,10 @@ with its centre), and on device 0 every centre's score on every source's test se
 ``query``: the device's index (``partition-id``), so the server knows which node holds which user.
 Shared tensors travel encoded both ways (``federation.transport``,
 :mod:`ondevice_moe.federation.transport`): the device decodes what it receives and encodes what it sends.
-Simulated faults (``federation.faults``) wrap training as a client mod.
+Under ``privacy`` the update of the shared tensors is clipped and noised before it is
+encoded (:mod:`ondevice_moe.federation.privacy`). Simulated faults (``federation.faults``)
+wrap training as a client mod; Flower's SecAgg+ (``federation.secure_aggregation``) wraps
+both as the outer mod (:mod:`ondevice_moe.federation.secure_aggregation`).
 """
 
 from __future__ import annotations
@@ -28,9 +31,11 @@ from ondevice_moe.federation import device as dev
 from ondevice_moe.federation.evaluation import centre_scores, evaluate_device
 from ondevice_moe.federation.faults import fault_mod
 from ondevice_moe.federation.job import Job, job_from_context
+from ondevice_moe.federation.privacy import noise_generator, privatize
+from ondevice_moe.federation.secure_aggregation import secure_aggregation_mod
 from ondevice_moe.federation.transport import decode, encode
 
-app = ClientApp(mods=[fault_mod])
+app = ClientApp(mods=[secure_aggregation_mod, fault_mod])
 
 
 def _device_index(context: Context) -> int:
@@ -65,6 +70,8 @@ def train(msg: Message, context: Context) -> Message:
     trust = dev.mix_relayed_peers(job, device, trainer, arrays) if procedure.peer_mixing else {}
     chosen = dev.anchor_to_centres(job, device, trainer, arrays, context.state, server_round) \
         if procedure.centres is not None else {}
+    privacy = job.recipe.privacy
+    start = dev.travelling_state(job, trainer) if privacy.enabled else {}
     seed = job.recipe.seed * 1000 + device
     # Dropout draws from the global generator: seed it per device and round so a
     # run gives the same numbers whichever worker process serves the device.
@@ -74,6 +81,9 @@ def train(msg: Message, context: Context) -> Message:
     dev.save_private_state(trainer, context.state)
     metrics.update({**trust, **chosen, "device": device, "num-examples": examples})
     tensors, records = dev.upload(job, trainer)
+    if privacy.enabled:
+        tensors, figures = privatize(start, tensors, privacy, noise_generator(job.recipe.seed, device, server_round))
+        metrics.update(figures)
     wire = ArrayRecord(encode(tensors, job.recipe.federation.transport))
     content = RecordDict({"arrays": wire, "metrics": MetricRecord(metrics)})
     for key, values in records.items():

@@ -271,6 +271,13 @@ def shared_state(trainer: DeviceTrainer) -> dict[str, torch.Tensor]:
     }
 
 
+def travelling_state(job: Job, trainer: DeviceTrainer) -> dict[str, torch.Tensor]:
+    """A copy of every tensor that may leave the device, whichever experts travel this round:
+    where the round's update starts from (recipe ``privacy``)."""
+    return {name: tensor.clone() for name, tensor in trainable_state(trainer.model).items()
+            if travels(job.method, name)}
+
+
 def experts_left_home(model: nn.Module) -> set[str]:
     """Parameter names of the routed experts a device keeps this round.
 

@@ -41,7 +41,9 @@ from ondevice_moe.errors import UserError
 from ondevice_moe.federation.aggregation import Update, check_update
 from ondevice_moe.federation.evaluation import user_values
 from ondevice_moe.federation.job import Job
+from ondevice_moe.federation.privacy import noise_std
 from ondevice_moe.federation.rules import Slots
+from ondevice_moe.federation.secure_aggregation import SecureRound, secure_round
 from ondevice_moe.federation.transport import Transport, decode, encode
 from ondevice_moe.methods.base import is_expert_tensor
 from ondevice_moe.recipe import FederationSection
@@ -172,12 +174,45 @@ class SlotStrategy(Strategy):
         sent = {device: _record_bytes(m.content["arrays"]) for device, m in zip(sampled, messages, strict=True)}
         self._round = {"started": time.perf_counter(), "sampled": sampled, "sent": sent,
                        "bytes_down": sum(sent.values())}
+        if self.federation.secure_aggregation == "secaggplus":
+            # SecAgg+'s four round trips run here, where Flower hands over the Grid; Flower then sends nothing.
+            by_node = {self.nodes[device]: message for device, message in zip(sampled, messages, strict=True)}
+            self._round["secure"] = secure_round(grid, by_node, self._common_reference(sampled), self.federation,
+                                                 server_round)
+            return []
         return messages
 
     def aggregate_train(self, server_round: int,
                         replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        sound: list[Update] = []
         drops: dict[int, str] = {}
+        secure = self._round.get("secure")
+        if secure is None:
+            sound, bytes_up, bytes_up_other = self._sound_updates(server_round, replies, drops)
+            devices = len(sound)
+        else:
+            sound, bytes_up, bytes_up_other = self._secure_updates(server_round, secure, drops)
+            devices = len(secure.metrics)
+        self._record_drops(server_round, "train", drops)
+        if devices < self.federation.min_clients:
+            reasons = "; ".join(f"device {d}: {why}" for d, why in sorted(drops.items()))
+            raise FederationFailure(
+                f"round {server_round}: {devices} of {len(self._round['sampled'])} devices sent a sound update, "
+                f"fewer than federation.min_clients={self.federation.min_clients} ({reasons or 'no replies'})")
+        self.slots = self.rule.aggregate(self.slots, sound)
+        self.log.write({"method": self.job.method.name, "round": server_round, "kind": "comm", "bytes_up": bytes_up,
+                        "bytes_up_not_experts": bytes_up_other, "bytes_down": self._round["bytes_down"],
+                        "devices": devices, "dropped": len(drops)})
+        self._log_privacy(server_round)
+        self._round.update(bytes_up=bytes_up, drops=sorted(drops))
+        if not self.evaluates(server_round):
+            self._report(server_round, None)
+        return pack_slots(self.slots), MetricRecord({"devices": devices, "dropped": len(drops)})
+
+    def _sound_updates(self, server_round: int, replies: Iterable[Message],
+                       drops: dict[int, str]) -> tuple[list[Update], int, int]:
+        """The round's sound updates, decoded, with the bytes they took (all, and outside experts);
+        each device's ``train`` record is written, the rest go to ``drops``."""
+        sound: list[Update] = []
         bytes_up = bytes_up_other = 0
         for device, reply in self._by_device(replies, self._round["sampled"], drops):
             update, metrics, size, problem = self._read_update(reply, device)
@@ -191,23 +226,60 @@ class SlotStrategy(Strategy):
             sound.append(update)
             bytes_up += size
             bytes_up_other += sum(t.nbytes for name, t in wire.items() if not is_expert_tensor(name))
-            self.log.write({"method": self.job.method.name, "round": server_round, "kind": "train",
-                            "user": self._user(device), **metrics,
-                            "bytes_up": size, "bytes_down": self._round["sent"][device]})
-        self._record_drops(server_round, "train", drops)
-        if len(sound) < self.federation.min_clients:
-            reasons = "; ".join(f"device {d}: {why}" for d, why in sorted(drops.items()))
-            raise FederationFailure(
-                f"round {server_round}: {len(sound)} of {len(self._round['sampled'])} devices sent a sound update, "
-                f"fewer than federation.min_clients={self.federation.min_clients} ({reasons or 'no replies'})")
-        self.slots = self.rule.aggregate(self.slots, sound)
-        self.log.write({"method": self.job.method.name, "round": server_round, "kind": "comm", "bytes_up": bytes_up,
-                        "bytes_up_not_experts": bytes_up_other, "bytes_down": self._round["bytes_down"],
-                        "devices": len(sound), "dropped": len(drops)})
-        self._round.update(bytes_up=bytes_up, drops=sorted(drops))
-        if not self.evaluates(server_round):
-            self._report(server_round, None)
-        return pack_slots(self.slots), MetricRecord({"devices": len(sound), "dropped": len(drops)})
+            self._log_train(server_round, device, metrics, size)
+        return sound, bytes_up, bytes_up_other
+
+    def _secure_updates(self, server_round: int, secure: SecureRound,
+                        drops: dict[int, str]) -> tuple[list[Update], int, int]:
+        """A SecAgg+ round as the rule sees it: one update, the devices' weighted mean (so the rule's
+        mean of it is itself). Bytes are all a device sent in the protocol's four stages."""
+        finished = {self.devices[node]: metrics for node, metrics in secure.metrics.items()}
+        for device in self._round["sampled"]:
+            if device not in finished:
+                drops[device] = "dropped out of SecAgg+ (" + ("; ".join(secure.failures) or "no reply") + ")"
+        if secure.mean is None:
+            reasons = "; ".join(secure.failures) or "too few devices stayed for the reconstruction threshold"
+            raise FederationFailure(f"round {server_round}: SecAgg+ halted without an aggregate ({reasons})")
+        bytes_up = bytes_up_other = 0
+        for device, metrics in sorted(finished.items()):
+            node = self.nodes[device]
+            bytes_up += secure.bytes_up[node]
+            bytes_up_other += sum(size for name, size in secure.masked_bytes.get(node, {}).items()
+                                  if not is_expert_tensor(name))
+            self._log_train(server_round, device, metrics, secure.bytes_up[node])
+        return [Update(-1, secure.mean, 1)], bytes_up, bytes_up_other
+
+    def _log_train(self, server_round: int, device: int, metrics: dict[str, Any], size: int) -> None:
+        if "update_norm" in metrics:  # the device clipped its update (recipe ``privacy``)
+            self._round.setdefault("norms", {})[self._user(device)] = metrics["update_norm"]
+        self.log.write({"method": self.job.method.name, "round": server_round, "kind": "train",
+                        "user": self._user(device), **metrics,
+                        "bytes_up": size, "bytes_down": self._round["sent"][device]})
+
+    def _log_privacy(self, server_round: int) -> None:
+        """The round's ``privacy`` record: the recipe's bound and noise, and what the devices
+        reported (their updates' norms before clipping, how many were clipped)."""
+        privacy = self.job.recipe.privacy
+        if not privacy.enabled:
+            return
+        norms = self._round.get("norms", {})
+        self.log.write({"method": self.job.method.name, "round": server_round, "kind": "privacy",
+                        "clip_norm": privacy.clip_norm, "noise_multiplier": privacy.noise_multiplier,
+                        "noise_std": noise_std(privacy), "devices": len(norms),
+                        "clipped": sum(norm > privacy.clip_norm for norm in norms.values()),
+                        "update_norms": norms})
+
+    def _common_reference(self, sampled: list[int]) -> dict[str, torch.Tensor]:
+        """The names, shapes and dtypes every sampled device uploads: SecAgg+ sums one vector layout."""
+        references = {device: self._reference(device) for device in sampled}
+        first = sampled[0]
+        layout = {name: (tuple(t.shape), t.dtype) for name, t in references[first].items()}
+        for device, reference in references.items():
+            if {name: (tuple(t.shape), t.dtype) for name, t in reference.items()} != layout:
+                raise FederationFailure(f"devices {first} and {device} upload different tensors, which SecAgg+ "
+                                        "cannot sum; use the same layout on every device or "
+                                        "federation.secure_aggregation: none")
+        return references[first]
 
     # -- evaluation -----------------------------------------------------------
 
