@@ -12,9 +12,9 @@ Flower 1.41 implements the protocol in two pieces, used here unchanged:
   on the device, wrapped by :func:`secure_aggregation_mod`;
 * ``flwr.server.workflow.SecAggPlusWorkflow`` (``flwr/server/workflow/secure_aggregation/
   secaggplus_workflow.py``) on the server. It exists only for the legacy API:
-  ``__call__`` demands a ``LegacyContext`` (lines 202–206) and takes its messages from the
-  legacy ``Strategy.configure_fit`` and hands the unmasked sum to ``aggregate_fit``
-  (lines 264–266 and 672–674); a Message-API ``Strategy`` has no place for its four
+  ``__call__`` demands a ``LegacyContext`` (lines 183–189), takes its messages from the
+  legacy ``Strategy.configure_fit`` (line 286) and hands the unmasked sum to the legacy
+  ``aggregate_fit`` (line 665); a Message-API ``Strategy`` has no place for its four
   round trips. :func:`secure_round` therefore runs the workflow itself, through the run's
   ``Grid``, with a ``LegacyContext`` whose strategy (:class:`_Relay`) hands out
   :class:`~ondevice_moe.federation.strategy.SlotStrategy`'s training messages as ``FitIns``
@@ -90,6 +90,8 @@ def refusal(method: Method) -> str | None:
     if type(rule) is not ServerRule:
         return (f"its server rule {type(rule).__name__} combines devices of different LoRA ranks "
                 "(zero-padding or SVD of each device's product), not one weighted sum")
+    if rule.partial_uploads:
+        return "devices upload only the experts they used, so their vectors differ in layout"
     if method.centralized:
         return "one device trains on every user's data, so there is no sum to hide"
     return None
