@@ -44,9 +44,10 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.client.mod import secaggplus_mod
 from flwr.clientapp.typing import ClientAppCallable
-from flwr.common import Code, FitIns, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
+from flwr.common import Code, FitIns, FitRes, Parameters, Status, ndarrays_to_parameters, parameters_to_ndarrays
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
 from flwr.common.secure_aggregation.secaggplus_constants import Key as SecAggKey
+from flwr.server.client_manager import ClientManager
 from flwr.server.client_proxy import ClientProxy
 from flwr.server.compat.grid_client_proxy import GridClientProxy
 from flwr.server.compat.legacy_context import LegacyContext
@@ -116,30 +117,34 @@ class SecureRound:
 class _Relay(LegacyStrategy):
     """The legacy strategy ``SecAggPlusWorkflow`` drives: it hands out the round's training
     messages and keeps the results ``aggregate_fit`` receives (each with the unmasked mean as
-    its parameters). The workflow calls no other method."""
+    its parameters). The last four methods are abstract in Flower's legacy ``Strategy``;
+    the workflow never calls them."""
 
     def __init__(self, instructions: list[tuple[ClientProxy, FitIns]]) -> None:
         self.instructions = instructions
         self.results: list[tuple[ClientProxy, FitRes]] | None = None
         self.failures: list[Any] = []
 
-    def configure_fit(self, server_round, parameters, client_manager):
+    def configure_fit(self, server_round: int, parameters: Parameters,
+                      client_manager: ClientManager) -> list[tuple[ClientProxy, FitIns]]:
         return self.instructions
 
-    def aggregate_fit(self, server_round, results, failures):
+    def aggregate_fit(self, server_round: int, results: list[tuple[ClientProxy, FitRes]],
+                      failures: list[Any]) -> tuple[None, dict[str, Any]]:
         self.results, self.failures = results, failures
         return None, {}
 
-    def initialize_parameters(self, client_manager):
+    def initialize_parameters(self, client_manager: ClientManager) -> None:
         return None
 
-    def configure_evaluate(self, server_round, parameters, client_manager):
+    def configure_evaluate(self, server_round: int, parameters: Parameters,
+                           client_manager: ClientManager) -> list[Any]:
         return []
 
-    def aggregate_evaluate(self, server_round, results, failures):
+    def aggregate_evaluate(self, server_round: int, results: list[Any], failures: list[Any]) -> tuple[None, dict]:
         return None, {}
 
-    def evaluate(self, server_round, parameters):
+    def evaluate(self, server_round: int, parameters: Parameters) -> None:
         return None
 
 
