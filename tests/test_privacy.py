@@ -111,8 +111,11 @@ def test_secaggplus_refuses_methods_that_are_not_one_weighted_sum(recipe, named)
 @pytest.mark.parametrize(("method", "named"), [("pcl", "PCL relays each device's own model"),
                                                ("{name: hetlora, ranks: [4, 2, 2]}",
                                                 "HetLoRARule combines devices of different LoRA ranks"),
-                                               ("centralized", "one device trains on every user's data")])
-def test_secaggplus_refuses_relays_ranks_and_one_device(method, named):
+                                               ("centralized", "one device trains on every user's data"),
+                                               ("{name: mixture, experts: [{kind: lora, role: shared}], "
+                                                "router: token-topk, upload: selected}",
+                                                "devices upload only the experts they used")])
+def test_secaggplus_refuses_relays_ranks_partial_uploads_and_one_device(method, named):
     with pytest.raises(UserError, match=named):
         load_recipe(TINY, [f"methods=[{method}]", "federation.secure_aggregation=secaggplus"])
 
