@@ -275,14 +275,26 @@ def frozen_copy(base_model: nn.Module, own: tuple[str, ...] = ()) -> nn.Module:
     that each device trains) are copied instead, so training them never
     touches the shared base. Every parameter of the copy starts frozen.
     """
-    shared = {
+    shared: dict[int, object] = {
         id(tensor): tensor
         for name, tensor in (*base_model.named_parameters(), *base_model.named_buffers())
         if not any(name == path or name.startswith(path + ".") for path in own)
     }
+    shared.update(_int8_states(base_model))
     model = copy.deepcopy(base_model, memo=shared)
     model.requires_grad_(False)
     return model
+
+
+def _int8_states(model: nn.Module) -> dict[int, object]:
+    """The ``state`` of every bitsandbytes int8 layer, to be shared by all copies.
+
+    The first forward of a ``Linear8bitLt`` moves the quantized weight (``weight.CB``,
+    ``weight.SCB``) into its own ``state`` and clears it on the weight. The weight is shared
+    between copies, so a copy with a state of its own would leave every later copy with
+    neither, and they would multiply by the int8 codes as if they were values.
+    """
+    return {id(module.state): module.state for module in model.modules() if type(module).__name__ == "Linear8bitLt"}
 
 
 def attach_layout(base_model: nn.Module, layout: Layout, *, seed: int, user: int = 0,

@@ -85,3 +85,24 @@ def test_floral_training_its_base_is_refused_on_a_quantized_base_with_the_way_ou
     raw = _recipe(saved_tiny_models["tiny-llama"], "nf4", {"name": "floral", "clusters": 2}, classification=False)
     with pytest.raises(UserError, match=r"train every base weight.*`train_base: false`"):
         validate_recipe(raw)
+
+
+@pytest.mark.parametrize("quantization", ["nf4", "int8"])
+def test_a_device_training_leaves_the_shared_quantized_base_as_the_next_device_finds_it(saved_tiny_models,
+                                                                                        quantization):
+    # Devices of one worker process share one base. bitsandbytes' int8 layers move their codes from the
+    # weight into a per-layer state on their first forward; a device with its own state took them away
+    # from every later device, whose loss then rose by orders of magnitude (the demo reached ppl 8e6).
+    raw = _recipe(saved_tiny_models["tiny-llama"], quantization, {"name": "comigs", "variant": "1G1S"}, False)
+    job = Job(validate_recipe(raw), 0, Path("."))
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+
+    def fresh_loss(device: int) -> float:
+        model = dev.build_model(job, device).eval()
+        with torch.no_grad():
+            return model(input_ids=tokens, labels=tokens).loss.item()
+
+    before = fresh_loss(1)
+    trainer = dev.restore_trainer(job, 0, None, RecordDict())
+    dev.run_local_procedure(job, 0, trainer, seed=0)
+    assert fresh_loss(1) == before
