@@ -20,6 +20,9 @@ decides what is sent and what is kept:
   then decoded, and the rule aggregates decoded values. Byte counts are of what travelled.
 * **Evaluation** every ``eval_every`` rounds and after the last one, on every
   device; the last one also has the devices write their checkpoints.
+* **Timing**: each reply carries its handler's own time and worker process; a ``round``
+  record per round holds the round's wall time and the share of it no handler explains
+  (:meth:`SlotStrategy._log_round`).
 """
 
 from __future__ import annotations
