@@ -44,6 +44,9 @@ def block_gaps(run_dir: Path, method: str, reference: str) -> dict[str, dict[str
     recipe, jobs = finished_jobs(run_dir)
     if not recipe.is_language_modelling:
         raise UserError(f"{run_dir} is a classification run", "block pairs compare language models")
+    if recipe.data.clients is not None:  # the union test set holds one device per domain, not every device's
+        raise UserError(f"{run_dir} deals data.clients={recipe.data.clients} devices over "
+                        f"{len(recipe.data.users)} domains", "block pairs compare runs with one device per user")
     by_name = {job.method.name: job for job in jobs}
     for name in (method, reference):
         if name not in by_name:

@@ -111,7 +111,13 @@ class UserSection(_Section):
 
 
 class DataSection(_Section):
+    """The users' domains and how their text is cut. Each user is one device, unless ``clients``
+    deals ``clients`` devices over the users' domains in turn: device ``k`` holds domain
+    ``users[k mod D]`` (D users), drawn with its own seed so devices sharing a domain hold different
+    samples of it, and is named ``<user>-<k // D>``."""
+
     users: list[UserSection] = Field(min_length=1)
+    clients: int | None = Field(None, ge=1)
     context_length: int = Field(128, ge=8)
     batch_size: int = Field(64, ge=1)
     eval_batch_size: int = Field(16, ge=1)
@@ -121,11 +127,34 @@ class DataSection(_Section):
     max_eval_blocks: int | None = Field(None, ge=1)
     router_validation: Literal["own", "union"] = "own"
 
-    def budgets(self, user: int) -> dict[str, int]:
-        """Token budgets of one user's train / valid / test splits."""
-        section = self.users[user]
+    @property
+    def devices(self) -> int:
+        """How many devices (simulated clients) the data is dealt to."""
+        return self.clients or len(self.users)
+
+    def domain(self, device: int) -> UserSection:
+        """The user section whose domain device ``device`` holds."""
+        return self.users[device % len(self.users)]
+
+    @property
+    def device_names(self) -> list[str]:
+        """The devices' names: the users', or ``<user>-<k // D>`` under ``clients``."""
+        if self.clients is None:
+            return [user.name for user in self.users]
+        return [f"{self.domain(k).name}-{k // len(self.users)}" for k in range(self.clients)]
+
+    def budgets(self, device: int) -> dict[str, int]:
+        """Token budgets of one device's train / valid / test splits."""
+        section = self.domain(device)
         return {split: getattr(section, f"{split}_tokens") or getattr(self, f"{split}_tokens")
                 for split in ("train", "valid", "test")}
+
+    @model_validator(mode="after")
+    def _every_domain_has_a_client(self) -> DataSection:
+        if self.clients is not None and self.clients < len(self.users):
+            raise ValueError(f"clients={self.clients} leaves some of the {len(self.users)} users' domains without a "
+                             f"device; use at least {len(self.users)} clients, or drop `clients`")
+        return self
 
     @field_validator("users")
     @classmethod
@@ -275,7 +304,10 @@ class FederationSection(_Section):
     ``fp32`` (as they are), ``bf16``/``fp16`` (cast) or ``int8`` (symmetric,
     one scale per tensor; :mod:`ondevice_moe.federation.transport`);
     ``secure_aggregation``: ``none`` or ``secaggplus`` (Flower's SecAgg+, parameters
-    under ``secaggplus``; :mod:`ondevice_moe.federation.secure_aggregation`).
+    under ``secaggplus``; :mod:`ondevice_moe.federation.secure_aggregation`); ``device_state``: where
+    a device keeps its private tensors and optimiser state between rounds, ``memory``
+    (Flower's ``context.state``) or ``disk`` (a file per device in the run folder;
+    :mod:`ondevice_moe.federation.device_state`).
     """
 
     rounds: int = Field(20, ge=1)
@@ -293,6 +325,7 @@ class FederationSection(_Section):
     faults: list[FaultSection] = Field(default_factory=list)
     secure_aggregation: Literal["none", "secaggplus"] = "none"
     secaggplus: SecAggPlusSection = SecAggPlusSection()
+    device_state: Literal["memory", "disk"] = "memory"
 
     @model_validator(mode="after")
     def _one_sampling_rule(self) -> FederationSection:
@@ -495,7 +528,7 @@ class Recipe(_Section):
     @property
     def user_names(self) -> list[str]:
         if self.data is not None:
-            return [user.name for user in self.data.users]
+            return self.data.device_names
         return [f"client_{i}" for i in range(self.task.clients)]
 
 

@@ -99,6 +99,8 @@ VALUE_KEYS = {"test_ppl_in": "in", "test_ppl_out": "out", "score": "score",
               "both_correct": "both_correct", "neither_correct": "neither_correct"}
 # Cluster centres scored on each source's test set (FedSoft, IFCA), kept as they are.
 CENTRE_KEY = re.compile(r"centre_(\d+)_source_(\d+)")
+# A round's timing (``round`` records of metrics.jsonl), kept per round in summary.json.
+ROUND_KEYS = ("round", "wall_s", "slowest_client_s", "busiest_worker_s", "workers", "overhead")
 # Per-user uncertainty kept beside the values in summary.json (not averaged into mean/std).
 ERROR_KEYS = {"test_nll_se_in": "nll_se_in", "test_nll_se_out": "nll_se_out"}
 
@@ -112,6 +114,8 @@ def summarize(records: list[dict[str, Any]], methods: list[str], users: list[str
     is for errors such as MSE). ``dropped``: how often each user's device was
     dropped from a round (it raised, timed out or sent a rejected update). ``privacy``:
     each round's clip norm, noise, clipped updates and largest pre-clip norm (recipe ``privacy``).
+    ``round_overhead`` (beside ``methods``: timings differ between runs that agree on every result):
+    per method, each round's wall time, slowest client, busiest worker and overhead.
     """
     summary: dict[str, Any] = {"users": users, "metric": metric, "methods": {}}
     for method in methods:
@@ -151,6 +155,10 @@ def summarize(records: list[dict[str, Any]], methods: list[str], users: list[str
         if centres:
             entry["centres"] = centres
         summary["methods"][method] = entry
+    timing = {method: sorted(({key: r[key] for key in ROUND_KEYS} for r in records
+                              if r["method"] == method and r["kind"] == "round"), key=lambda r: r["round"])
+              for method in summary["methods"]}
+    summary["round_overhead"] = {method: rows for method, rows in timing.items() if rows}
     return summary
 
 
@@ -215,7 +223,8 @@ def write_report(run_dir: Path, recipe_name: str, summary: dict[str, Any], plots
     caption = f"{score_title(summary)}. {where}"
     lines = [f"# {recipe_name}", "", *(f"- {fact}" for fact in facts), *([""] if facts else []),
              caption, "", markdown_table(summary), "", *_centres_section(summary),
-             *_personalisation_section(summary), *_privacy_section(summary), *_drops_section(summary)]
+             *_personalisation_section(summary), *_privacy_section(summary), *_drops_section(summary),
+             *_overhead_section(summary)]
     lines += [f"![{p.stem}](plots/{p.name})" for p in plots]
     path = run_dir / "report.md"
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
@@ -280,6 +289,21 @@ def _privacy_section(summary: dict[str, Any]) -> list[str]:
             "of std σ = z·C per coordinate before encoding it (docs/federation.md). Norms are before clipping.", "",
             "| method | round | clip norm C | noise multiplier z | noise std σ | updates clipped | largest norm |",
             "|---|---|---|---|---|---|---|", *rows, ""]
+
+
+def _overhead_section(summary: dict[str, Any]) -> list[str]:
+    """Each round's wall time and the share of it that no device's handler explains."""
+    rows = [f"| {name} | {r['round']} | {r['wall_s']:.2f} | {r['slowest_client_s']:.2f} | "
+            f"{r['busiest_worker_s']:.2f} ({r['workers']}) | {100 * r['overhead']:.1f} % |"
+            for name, rounds in summary.get("round_overhead", {}).items() for r in rounds]
+    if not rows:
+        return []
+    return ["## Round overhead", "",
+            "Wall time of each round at the server; each device's train + evaluate handler time, slowest; the "
+            "busiest worker process's handler time (a worker serves its devices in turn); overhead = (wall − "
+            "busiest worker) ÷ wall: messaging, serialisation, waiting (docs/federation.md, Round overhead).", "",
+            "| method | round | wall (s) | slowest client (s) | busiest worker (s) (workers) | overhead |",
+            "|---|---|---|---|---|---|", *rows, ""]
 
 
 def _drops_section(summary: dict[str, Any]) -> list[str]:

@@ -85,7 +85,7 @@ def check_inputs(recipe: Recipe) -> None:
     if recipe.task is not None:
         device.federated_task(job)
         return
-    for user in range(len(recipe.data.users)):
+    for user in range(recipe.data.devices):
         device.user_data(job, user)
 
 
@@ -214,6 +214,7 @@ def _simulate(job: Job, on_round: Callable[[int, int, str], None] | None) -> Non
     from flwr.simulation import run_simulation
 
     from ondevice_moe.federation import client_app, server_app
+    from ondevice_moe.federation.device_state import clear_state_folder
 
     job_file = job.to_file(job.run_dir / f".job-{job.method_index}.json")
     os.environ[JOB_ENV] = str(job_file.resolve())
@@ -234,3 +235,4 @@ def _simulate(job: Job, on_round: Callable[[int, int, str], None] | None) -> Non
                            num_supernodes=len(job.method.layouts), backend_config=backend)
     finally:
         server_app.progress_hook = None
+        clear_state_folder(job)

@@ -1,6 +1,9 @@
 """The client benchmarks run end to end (one step, tiny models), so they cannot break silently."""
 
 import math
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -123,3 +126,50 @@ def test_quantized_training_benchmark_compares_a_trained_nf4_base_with_the_float
     assert all(math.isfinite(v["ratio"]) for v in nf4) and any(v["ratio"] != 1 for v in nf4), "NF4 changes the base"
     assert set(figures["wall_s"]) == {"none", "nf4"}
     assert "| comigs-1G1S/nf4 |" in (tmp_path / "quantized_training.md").read_text()
+
+
+def test_round_overhead_benchmark_runs_one_round_on_the_tiny_recipe(monkeypatch, tmp_path, capsys):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import round_overhead
+
+    tiny = Path(__file__).parent / "recipes" / "tiny.yaml"
+    figures = round_overhead.main(["--recipe", str(tiny), "--rounds", "1", "--iterations", "1",
+                                   "--methods", "fedavg", "--output", str(tmp_path)])
+    (row,) = figures["rounds"]["fedavg"]
+    assert row["round"] == 1 and row["wall_s"] >= row["busiest_worker_s"] >= row["slowest_client_s"] > 0
+    assert 0 <= figures["max_overhead"]["fedavg"] < 1
+    assert "| fedavg | 1 |" in capsys.readouterr().out
+    assert (tmp_path / "round_overhead.md").exists()
+
+
+def test_scale_benchmark_compares_the_peak_memory_of_two_client_counts(monkeypatch, tmp_path):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import scale
+
+    tiny = Path(__file__).parent / "recipes" / "tiny.yaml"
+    figures = scale.main(["--recipe", str(tiny), "--rounds", "1", "--iterations", "1", "--clients", "3", "6",
+                          "--fraction", "0.34", "--device-state", "disk", "--set", "federation.cpus_per_client=2",
+                          "--output", str(tmp_path)])
+    small, large = figures["variants"]["3-clients-disk"], figures["variants"]["6-clients-disk"]
+    assert (small["trained_devices"], large["trained_devices"]) == (1, 2)  # the same fraction of each
+    assert small["processes"] > 2, "the Ray processes below the driver are measured too"
+    assert all(0 < v["peak_pss_mib"] <= v["sum_vmhwm_mib"] for v in (small, large))
+    ratio = figures["ratio"]["disk"]["peak_pss_mib"]
+    assert ratio == pytest.approx(large["peak_pss_mib"] / small["peak_pss_mib"])
+    assert "peak PSS ×" in (tmp_path / "scale.md").read_text()
+
+
+def test_process_tree_holds_a_child_and_its_grandchild(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import scale
+
+    child = subprocess.Popen([sys.executable, "-c", "import subprocess, sys; "
+                              "subprocess.run([sys.executable, '-c', 'import time; time.sleep(2)'])"])
+    try:
+        deadline = time.monotonic() + 10
+        while len(found := scale.process_tree(child.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert found[0] == child.pid and len(found) == 2
+    finally:
+        child.kill()
+        child.wait()

@@ -73,13 +73,15 @@ def test_mixing_weights_the_better_peer_up_and_loads_the_weighted_average(tiny_m
 def test_a_pcl_device_keeps_its_shared_modules_between_rounds(tiny_model):
     from flwr.app import RecordDict
 
-    from ondevice_moe.federation.device import PRIVATE_KEY, save_private_state, shared_state
+    from ondevice_moe.federation.device import save_private_state, shared_state
+    from ondevice_moe.federation.device_state import private_tensors
+    from ondevice_moe.federation.job import Job
 
     method = method_for("pcl", 2)
     trainer = DeviceTrainer(attach_layout(tiny_model, method.layouts[0], seed=0), method, TrainingConfig())
     state = RecordDict()
-    save_private_state(trainer, state)
-    kept = set(state[PRIVATE_KEY].to_torch_state_dict())
+    save_private_state(Job(load_recipe(TINY, ["methods=[pcl]"]), 0, Path(".")), 0, trainer, state)
+    kept = set(private_tensors(state))
     assert kept and set(shared_state(trainer)) <= kept
 
 

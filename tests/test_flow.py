@@ -13,6 +13,7 @@ from ondevice_moe import runner
 from ondevice_moe.errors import UserError
 from ondevice_moe.experts.layer_copy import RoutedLayer, routed_layers
 from ondevice_moe.federation import device as dev
+from ondevice_moe.federation.device_state import private_tensors
 from ondevice_moe.federation.job import Job
 from ondevice_moe.layout import ExpertSpec, Layout, RouterSpec, attach_layout
 from ondevice_moe.methods.flow.procedure import flow_round, split_halves
@@ -119,8 +120,8 @@ def test_a_round_resets_and_trains_the_local_copies_which_never_leave_the_device
     assert tensors and not any("private" in name for name in tensors)
     assert any(name.startswith("router.") for name in tensors), "ψ is shared (Alg. 1 line 12)"
     assert not any("private" in name for name in dev.upload_reference(job, 0))
-    dev.save_private_state(trainer, state)
-    assert all(".private_0." in name for name in state[dev.PRIVATE_KEY].to_torch_state_dict())
+    dev.save_private_state(job, 0, trainer, state)
+    assert all(".private_0." in name for name in private_tensors(state))
 
 
 def test_wrong_layouts_and_models_say_how_to_fix_them():

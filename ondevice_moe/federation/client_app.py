@@ -21,6 +21,8 @@ both as the outer mod (:mod:`ondevice_moe.federation.secure_aggregation`).
 
 from __future__ import annotations
 
+import os
+import time
 import zlib
 
 import torch
@@ -57,8 +59,19 @@ def identify(msg: Message, context: Context) -> Message:
     return Message(RecordDict({"metrics": MetricRecord({"device": _device_index(context)})}), reply_to=msg)
 
 
+def handler_figures(started: float) -> dict[str, float]:
+    """``handler_s``: seconds since ``started`` (this handler's own work); ``worker``: the
+    process that served it, so the server can tell clients that ran in parallel from clients one
+    worker served in turn; ``base_loads``: how often that process has loaded a base model (once,
+    however many devices and rounds it serves). The server turns them into each round's
+    ``round`` record (:class:`~ondevice_moe.federation.strategy.SlotStrategy`)."""
+    return {"handler_s": time.perf_counter() - started, "worker": os.getpid(),
+            "base_loads": dev.base_model.cache_info().misses}
+
+
 @app.train()
 def train(msg: Message, context: Context) -> Message:
+    started = time.perf_counter()
     job = job_from_context(context)
     device = _device_index(context)
     arrays = _received(job, msg)
@@ -78,26 +91,28 @@ def train(msg: Message, context: Context) -> Message:
     torch.manual_seed(zlib.crc32(f"{seed}:{server_round}".encode()))
     dev.start_round(trainer.model)
     metrics, examples = dev.run_local_procedure(job, device, trainer, seed)
-    dev.save_private_state(trainer, context.state)
+    dev.save_private_state(job, device, trainer, context.state)
     metrics.update({**trust, **chosen, "device": device, "num-examples": examples})
     tensors, records = dev.upload(job, trainer)
     if privacy.enabled:
         tensors, figures = privatize(start, tensors, privacy, noise_generator(job.recipe.seed, device, server_round))
         metrics.update(figures)
     wire = ArrayRecord(encode(tensors, job.recipe.federation.transport))
-    content = RecordDict({"arrays": wire, "metrics": MetricRecord(metrics)})
+    content = RecordDict({"arrays": wire})
     for key, values in records.items():
         content[key] = MetricRecord(values)
+    content["metrics"] = MetricRecord({**metrics, **handler_figures(started)})
     return Message(content, reply_to=msg)
 
 
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
+    started = time.perf_counter()
     job = job_from_context(context)
     device = _device_index(context)
     arrays = _received(job, msg)
     centred = job.method.procedure.centres is not None
-    model = dev.restore_trainer(job, device, None if centred else arrays, context.state).model
+    model = dev.restore_model(job, device, None if centred else arrays, context.state)
     scores = {}
     if centred:
         centres = dev.received_centres(job, arrays)
@@ -107,4 +122,4 @@ def evaluate(msg: Message, context: Context) -> Message:
     metrics["device"] = device
     if msg.content["config"].get("final", False) and job.method.trains:
         dev.save_checkpoint(job, device, model)
-    return Message(RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)
+    return Message(RecordDict({"metrics": MetricRecord({**metrics, **handler_figures(started)})}), reply_to=msg)

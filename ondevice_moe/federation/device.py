@@ -1,12 +1,11 @@
 """What lives on a device: the base model (loaded once per process), the
 user's data, and the trainer rebuilt each round from shared tensors sent by
-the server plus private state kept in Flower's ``context.state``.
+the server plus private state kept by :mod:`~ondevice_moe.federation.device_state`.
 """
 
 from __future__ import annotations
 
 import copy
-import io
 import zlib
 from functools import lru_cache
 
@@ -18,6 +17,7 @@ from ondevice_moe.data.classification import FederatedTask, build_federated_task
 from ondevice_moe.data.small import SmallFederatedTask, build_small_task
 from ondevice_moe.data.splits import SourceSpec, UserData, build_user_data
 from ondevice_moe.errors import UserError
+from ondevice_moe.federation import device_state
 from ondevice_moe.federation.job import Job
 from ondevice_moe.federation.peers import mix_peers, split_peers
 from ondevice_moe.federation.rank_pruning import fit_received
@@ -37,8 +37,6 @@ from ondevice_moe.models import LoadedModel, load_base_model
 from ondevice_moe.routing import client_mixture
 from ondevice_moe.training import DeviceTrainer, trainable_state
 
-PRIVATE_KEY = "private"
-OPTIMIZER_KEY = "optimizer"
 IMPORTANCE_KEY = "importance"
 
 
@@ -88,20 +86,26 @@ _DATA: dict[tuple[str, int], UserData] = {}
 
 
 def user_data(job: Job, user: int) -> UserData:
-    """User ``user``'s blocks, built once per process."""
+    """User (device) ``user``'s blocks of its domain (``data.clients``: several devices per domain),
+    built once per process."""
     key = (job.recipe.data.model_dump_json() + job.recipe.model.name + str(job.recipe.split_seed), user)
     if key not in _DATA:
         data = job.recipe.data
-        section = data.users[user]
+        section = data.domain(user)
         sources = [SourceSpec(s.source, s.options(), s.weight) for s in section.sources]
-        _DATA[key] = build_user_data(section.name, sources, job_base_model(job).tokenizer, data.budgets(user),
-                                     data.context_length, job.recipe.split_seed + 7919 * user)
+        _DATA[key] = build_user_data(data.device_names[user], sources, job_base_model(job).tokenizer,
+                                     data.budgets(user), data.context_length, job.recipe.split_seed + 7919 * user)
     return _DATA[key]
 
 
 def users_of_device(job: Job, device: int) -> list[int]:
     """The users whose data a device holds: all of them for the centralized upper bound."""
-    return list(range(len(job.recipe.data.users))) if job.method.centralized else [device]
+    return list(range(job.recipe.data.devices)) if job.method.centralized else [device]
+
+
+def domain_users(job: Job) -> range:
+    """One user per domain: the first devices, ``k < D``, hold ``users[k]`` (every user without ``data.clients``)."""
+    return range(len(job.recipe.data.users))
 
 
 def device_split(job: Job, device: int, split: str) -> torch.Tensor:
@@ -114,12 +118,12 @@ def router_blocks(job: Job, device: int) -> torch.Tensor:
     The validation split "reflects the target distribution" (§2.1): the
     device's own (``data.router_validation: own``), or, when the target is the
     union of all users' distributions (the out-of-distribution task, §3.1.2,
-    Fig. 4), every user's validation split (``union``). The ``-tr`` ablation
-    uses the training split.
+    Fig. 4), every user's validation split (``union``; one device per domain
+    under ``data.clients``). The ``-tr`` ablation uses the training split.
     """
     split = job.method.procedure.router_data
     if split == "valid" and job.recipe.data.router_validation == "union":
-        return torch.cat([user_data(job, user).valid for user in range(len(job.recipe.data.users))])
+        return torch.cat([user_data(job, user).valid for user in domain_users(job)])
     return device_split(job, device, split)
 
 
@@ -156,13 +160,27 @@ def head_paths(model: nn.Module) -> tuple[str, ...]:
                  if name in ("classifier", "score") or name.endswith(".pooler"))
 
 
+def restore_model(job: Job, device: int, shared: ArrayRecord | None, state: RecordDict) -> nn.Module:
+    """The device's model to evaluate: fresh experts, then its private tensors, then the server's."""
+    model = build_model(job, device)
+    _load_tensors(model, device_state.private_tensors(state), shared)
+    return model
+
+
 def restore_trainer(job: Job, device: int, shared: ArrayRecord | None, state: RecordDict) -> DeviceTrainer:
     """Rebuild the device's trainer: fresh experts, then private state, then the server's tensors."""
     model = build_model(job, device)
     trainer = DeviceTrainer(model, job.method, job.training)
-    tensors: dict[str, torch.Tensor] = {}
-    if PRIVATE_KEY in state:
-        tensors.update(state[PRIVATE_KEY].to_torch_state_dict())
+    private, optimizer = device_state.load_device_state(state, with_optimizer=True)
+    _load_tensors(model, private, shared)
+    if optimizer is not None:
+        trainer.load_optimizer_state(optimizer)
+    return trainer
+
+
+def _load_tensors(model: nn.Module, private: dict[str, torch.Tensor], shared: ArrayRecord | None) -> None:
+    """Load a device's private tensors, then the server's shared ones, into ``model``."""
+    tensors = dict(private)
     if shared is not None and len(shared) > 0:
         tensors.update(shared.to_torch_state_dict())
     if tensors:
@@ -171,10 +189,6 @@ def restore_trainer(job: Job, device: int, shared: ArrayRecord | None, state: Re
         if missing:
             raise ValueError(f"received tensors this device does not hold: {sorted(missing)[:3]}")
         model.load_state_dict(tensors, strict=False)
-    if OPTIMIZER_KEY in state:
-        blob = state[OPTIMIZER_KEY]["blob"]
-        trainer.load_optimizer_state(torch.load(io.BytesIO(blob), weights_only=False))
-    return trainer
 
 
 def mix_relayed_peers(job: Job, device: int, trainer: DeviceTrainer, arrays: ArrayRecord | None) -> dict[str, float]:
@@ -240,16 +254,13 @@ def local_model_of(job: Job, device: int, model: nn.Module, centres: dict[int, T
         model.load_state_dict(centres[hard_assignment(losses)], strict=False)
 
 
-def save_private_state(trainer: DeviceTrainer, state: RecordDict) -> None:
+def save_private_state(job: Job, device: int, trainer: DeviceTrainer, state: RecordDict) -> None:
     """Keep private tensors (all trained tensors with ``sharing.devices_keep_models``) and
-    optimiser state on the device (``context.state``)."""
+    optimiser state for the device's next round (:mod:`~ondevice_moe.federation.device_state`)."""
     keep_all = trainer.method.sharing.devices_keep_models
     private = {n: t for n, t in trainable_state(trainer.model).items()
                if keep_all or trainer.method.role_of(n) is Role.PRIVATE}
-    state[PRIVATE_KEY] = ArrayRecord({n: t.clone() for n, t in private.items()})
-    buffer = io.BytesIO()
-    torch.save(trainer.optimizer_state(), buffer)
-    state[OPTIMIZER_KEY] = ConfigRecord({"blob": buffer.getvalue()})
+    device_state.save_device_state(job, device, private, trainer.optimizer_state(), state)
 
 
 def travels(method: Method, name: str) -> bool:

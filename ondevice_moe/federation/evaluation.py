@@ -1,7 +1,7 @@
 """How a device scores its model: test perplexity for language modelling
 (in distribution on its own test split, out of distribution on the union of all
-users' test splits — CoMiGS Table 2; FDLoRA first fits its fusion weight on the
-validation split), the task metric for classification
+users' test splits — CoMiGS Table 2, one split per domain under ``data.clients``; FDLoRA
+first fits its fusion weight on the validation split), the task metric for classification
 (Hermes Table 1); and FedSoft's and IFCA's centres on each source's own test set
 (FedSoft Tables 1 and 3); Flow's Acc_g, Acc_p and per-instance breakdown (Flow eq. 6–7).
 Used by the ClientApp every round and by ``ondevice-moe eval``."""
@@ -36,8 +36,9 @@ def user_values(metrics: dict[str, float], user: int) -> dict[str, float]:
 
 def union_test_nll(job: Job, model: nn.Module) -> tuple[torch.Tensor, list[int], int]:
     """Summed NLL of every block of the union of the users' test splits; user ``u``'s own
-    blocks are ``[offsets[u], offsets[u + 1])``; and the blocks' length."""
-    per_user = [dev.eval_blocks(job, u) for u in range(len(job.recipe.data.users))]
+    blocks are ``[offsets[u], offsets[u + 1])``; and the blocks' length. Under ``data.clients``
+    the union is of the domains' test splits, one device's each (:func:`.device.domain_users`)."""
+    per_user = [dev.eval_blocks(job, u) for u in dev.domain_users(job)]
     union_nll = block_nll(model, torch.cat(per_user), job.recipe.data.eval_batch_size)
     offsets = torch.tensor([0, *(b.shape[0] for b in per_user)]).cumsum(0).tolist()
     return union_nll, offsets, per_user[0].shape[1]
@@ -51,7 +52,10 @@ def _language_model(job: Job, device: int, model: nn.Module) -> dict[str, float]
     union_nll, offsets, context_length = union_test_nll(job, model)
     metrics: dict[str, float] = {"num-examples": int(union_nll.numel())}
     for user in dev.users_of_device(job, device):
-        own = union_nll[offsets[user] : offsets[user + 1]]
+        if user in dev.domain_users(job):
+            own = union_nll[offsets[user] : offsets[user + 1]]
+        else:  # a further device of a domain (data.clients) is tested on its own sample of it
+            own = block_nll(model, dev.eval_blocks(job, user), batch)
         metrics[f"user_{user}/test_ppl_in"] = perplexity_of(own, context_length)
         metrics[f"user_{user}/test_ppl_out"] = perplexity_of(union_nll, context_length)
         if fused is not None:

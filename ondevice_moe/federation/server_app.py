@@ -2,8 +2,8 @@
 
 Messages carry shared tensors only (CoMiGS Alg. 1 lines 498 and 515). Every
 round the server logs per-device training metrics, the bytes it sent and
-received, dropped devices and per-user test figures to ``metrics.jsonl`` in
-the run folder; a ``done`` record follows once the final evaluation has
+received, dropped devices, per-user test figures and the round's wall time and
+overhead to ``metrics.jsonl`` in the run folder; a ``done`` record follows once the final evaluation has
 written every device's checkpoint.
 
 Under ``ondevice-moe finetune`` the runner prepares the run folder and writes

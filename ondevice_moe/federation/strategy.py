@@ -20,6 +20,9 @@ decides what is sent and what is kept:
   then decoded, and the rule aggregates decoded values. Byte counts are of what travelled.
 * **Evaluation** every ``eval_every`` rounds and after the last one, on every
   device; the last one also has the devices write their checkpoints.
+* **Timing**: each reply carries its handler's own time and worker process; a ``round``
+  record per round holds the round's wall time and the share of it no handler explains
+  (:meth:`SlotStrategy._log_round`).
 """
 
 from __future__ import annotations
@@ -250,6 +253,7 @@ class SlotStrategy(Strategy):
         return [Update(-1, secure.mean, 1)], bytes_up, bytes_up_other
 
     def _log_train(self, server_round: int, device: int, metrics: dict[str, Any], size: int) -> None:
+        self._time_handler(device, metrics)
         if "update_norm" in metrics:  # the device clipped its update (recipe ``privacy``)
             self._round.setdefault("norms", {})[self._user(device)] = metrics["update_norm"]
         self.log.write({"method": self.job.method.name, "round": server_round, "kind": "train",
@@ -296,11 +300,13 @@ class SlotStrategy(Strategy):
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         if not self.evaluates(server_round):  # Flower calls this every round; nobody was asked
+            self._log_round(server_round)
             return None
         drops: dict[int, str] = {}
         headline = []
-        for _, reply in self._by_device(replies, list(self.nodes), drops):
+        for device, reply in self._by_device(replies, list(self.nodes), drops):
             metrics = dict(reply.content["metrics"])
+            self._time_handler(device, metrics)
             for index, name in enumerate(self.job.recipe.user_names):
                 values = user_values(metrics, index)
                 if values:
@@ -314,12 +320,47 @@ class SlotStrategy(Strategy):
                                     f"are missing ({reasons})")
         mean = sum(headline) / max(len(headline), 1)
         self._report(server_round, mean)
+        if server_round > 0:  # a method that does not train has no round to time
+            self._log_round(server_round)
         return MetricRecord({"mean": mean})
 
     def evaluate_untrained(self, grid: Grid) -> None:
         """The single evaluation of a method that does not train (the pretrained reference)."""
         messages = self.configure_evaluate(0, pack_slots(self.slots), ConfigRecord(), grid)
         self.aggregate_evaluate(0, grid.send_and_receive(messages, timeout=self.federation.reply_timeout_s))
+
+    # -- round overhead -------------------------------------------------------
+
+    def _time_handler(self, device: int, metrics: dict[str, Any]) -> None:
+        """Note the seconds a device's handler took (``handler_s``), the worker process that ran it and
+        how often that process has loaded a base model (``worker``, ``base_loads``: taken out of
+        ``metrics``, they describe the process, not the device's results)."""
+        worker = metrics.pop("worker", None)
+        loads = metrics.pop("base_loads", None)
+        if loads is not None:
+            self._round.setdefault("base_loads", {})[worker] = int(loads)
+        if "handler_s" in metrics:
+            self._round.setdefault("handlers", []).append((device, worker, float(metrics["handler_s"])))
+
+    def _log_round(self, server_round: int) -> None:
+        """The round's ``round`` record: its wall time (the server sending the first train message to the
+        last evaluation reply read), the slowest client's train + evaluate time, the busiest worker's
+        (the handlers one worker process ran, in turn) and the overhead: the share of the wall time
+        that is neither, ``(wall_s - busiest_worker_s) / wall_s``. Where every client has its own
+        worker, the busiest worker's time is the slowest client's. ``base_loads``: the most base-model
+        loads any worker of the round has made since it started (1: loaded once per process)."""
+        wall = time.perf_counter() - self._round["started"]
+        per_device: dict[int, float] = {}
+        per_worker: dict[Any, float] = {}
+        for device, worker, seconds in self._round.get("handlers", []):
+            per_device[device] = per_device.get(device, 0.0) + seconds
+            per_worker[worker] = per_worker.get(worker, 0.0) + seconds
+        busiest = max(per_worker.values(), default=0.0)
+        self.log.write({"method": self.job.method.name, "round": server_round, "kind": "round", "wall_s": wall,
+                        "slowest_client_s": max(per_device.values(), default=0.0), "busiest_worker_s": busiest,
+                        "workers": len(per_worker), "clients": len(per_device),
+                        "base_loads": max(self._round.get("base_loads", {}).values(), default=0),
+                        "overhead": (wall - busiest) / wall})
 
     # -- helpers --------------------------------------------------------------
 
