@@ -21,7 +21,6 @@ Writes ``quantized_training.json`` and ``.md`` under ``--output``; prints the ta
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import time
@@ -87,11 +86,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, object]:
     entries, wall = run_all(args)
     figures = figures_of(entries, wall)
     markdown = table(figures)
-    (args.output / "quantized_training.json").write_text(json.dumps(figures, indent=2) + "\n")
-    (args.output / "quantized_training.md").write_text(markdown + "\n")
-    print(markdown)
-    print(json.dumps(figures))
-    return figures
+    return simulations.publish(args.output, "quantized_training", figures, markdown)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,6 @@ table, then (last line) the figures as one JSON object.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 from collections.abc import Sequence
@@ -82,11 +81,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, object]:
     simulations.run_variant(args, LABEL, overrides)
     figures = figures_of(MetricsLog(args.output / LABEL / "metrics.jsonl").read())
     markdown = table(figures)
-    (args.output / "round_overhead.json").write_text(json.dumps(figures, indent=2) + "\n")
-    (args.output / "round_overhead.md").write_text(markdown + "\n")
-    print(markdown)
-    print(json.dumps(figures))
-    return figures
+    return simulations.publish(args.output, "round_overhead", figures, markdown)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,6 @@ the figures as one JSON object.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import subprocess
@@ -186,11 +185,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, object] | None:
         return None
     figures = figures_of(args, run_all(args, argv))
     markdown = table(figures)
-    (args.output / "scale.json").write_text(json.dumps(figures, indent=2) + "\n")
-    (args.output / "scale.md").write_text(markdown + "\n")
-    print(markdown)
-    print(json.dumps(figures))
-    return figures
+    return simulations.publish(args.output, "scale", figures, markdown)
 
 
 if __name__ == "__main__":

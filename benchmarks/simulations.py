@@ -7,6 +7,7 @@ Every variant is a real Flower simulation (``ondevice_moe.runner``) into its own
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 from ondevice_moe import runner
@@ -35,3 +36,12 @@ def run_variant(args: argparse.Namespace, label: str, overrides: list[str]) -> d
     recipe = load_recipe(args.recipe, [*args.overrides, *overrides, *sizes])
     result = runner.run_recipe(recipe, args.output / label)
     return {f"{method}/{label}": entry for method, entry in result.summary["methods"].items()}
+
+
+def publish(output: Path, stem: str, figures: dict[str, object], markdown: str) -> dict[str, object]:
+    """Write ``<stem>.json`` and ``<stem>.md`` under ``output``; print the table, then the figures as one JSON line."""
+    (output / f"{stem}.json").write_text(json.dumps(figures, indent=2) + "\n")
+    (output / f"{stem}.md").write_text(markdown + "\n")
+    print(markdown)
+    print(json.dumps(figures))
+    return figures

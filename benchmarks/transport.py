@@ -26,7 +26,6 @@ under ``--output``, so an interrupted benchmark resumes. Writes ``transport.json
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from collections.abc import Sequence
 
@@ -88,11 +87,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, object]:
         entries.update(run_configuration(args, kind, f"[{COMIGS}]"))
     figures = figures_of(entries)
     markdown = table(figures)
-    (args.output / "transport.json").write_text(json.dumps(figures, indent=2) + "\n")
-    (args.output / "transport.md").write_text(markdown + "\n")
-    print(markdown)
-    print(json.dumps(figures))
-    return figures
+    return simulations.publish(args.output, "transport", figures, markdown)
 
 
 if __name__ == "__main__":
