@@ -7,7 +7,9 @@ Bases (``--kinds``, default all):
 * ``int8``: bitsandbytes LLM.int8 linear layers, float32 elsewhere (``model.quantization: int8``);
 * ``nf4``: bitsandbytes NF4 linear layers computing in float32 (``model.quantization: nf4``);
 * ``nf4-bf16``: NF4 computing in bfloat16, QLoRA's setting (Dettmers et al. 2023, §3)
-  (``model.quantization: nf4`` with ``model.dtype: bfloat16``).
+  (``model.quantization: nf4`` with ``model.dtype: bfloat16``);
+* ``nf4-ckpt``, ``nf4-bf16-ckpt``: the same with activation checkpointing
+  (``model.activation_checkpointing: true``): each block replayed in the backward pass.
 
 Every side is one CoMiGS-1G1S expert step on the same batch (the experts are the same;
 only the frozen base differs). Reported per side, as a ratio to ``fp32``:
@@ -22,7 +24,8 @@ only the frozen base differs). Reported per side, as a ratio to ``fp32``:
 
 Usage:
     python benchmarks/quantization.py [--model smollm2-135m] [--device auto|cpu|cuda]
-        [--batch 4] [--context 128] [--steps 5] [--threads N] [--kinds fp32 bf16 int8 nf4 nf4-bf16]
+        [--batch 4] [--context 128] [--steps 5] [--threads N]
+        [--kinds fp32 bf16 int8 nf4 nf4-bf16 nf4-ckpt nf4-bf16-ckpt]
 
 Prints a table, then (last line) the figures as one JSON object. The perplexity cost of
 training on a quantized base is ``benchmarks/quantized_training.py``.
@@ -42,15 +45,18 @@ from harness import Configuration
 from torch import nn
 
 from ondevice_moe.models import load_base_model
+from ondevice_moe.models.checkpointing import enable_activation_checkpointing
 from ondevice_moe.models.devices import resolve_device
 
 REFERENCE = "fp32"
-BASES = {  # kind: (model.dtype, model.quantization)
-    "fp32": ("float32", "none"),
-    "bf16": ("bfloat16", "none"),
-    "int8": ("float32", "int8"),
-    "nf4": ("float32", "nf4"),
-    "nf4-bf16": ("bfloat16", "nf4"),
+BASES = {  # kind: (model.dtype, model.quantization, model.activation_checkpointing)
+    "fp32": ("float32", "none", False),
+    "bf16": ("bfloat16", "none", False),
+    "int8": ("float32", "int8", False),
+    "nf4": ("float32", "nf4", False),
+    "nf4-bf16": ("bfloat16", "nf4", False),
+    "nf4-ckpt": ("float32", "nf4", True),
+    "nf4-bf16-ckpt": ("bfloat16", "nf4", True),
 }
 
 
@@ -67,7 +73,7 @@ def load_base(args: argparse.Namespace, kind: str) -> nn.Module:
     """The frozen base of ``kind`` on the benchmark's device."""
     if args.threads:
         torch.set_num_threads(args.threads)
-    dtype, quantization = BASES[kind]
+    dtype, quantization, _ = BASES[kind]
     return load_base_model(args.model, dtype, quantization, device=resolve_device(args.device)).model
 
 
@@ -77,11 +83,14 @@ def weight_mib(model: nn.Module) -> float:
     return sum(t.numel() * t.element_size() for t in tensors) / 2**20
 
 
-def device_configuration(args: argparse.Namespace, base: nn.Module) -> Configuration:
-    """One CoMiGS-1G1S expert step on ``base``, on a fixed random batch."""
+def device_configuration(args: argparse.Namespace, base: nn.Module, kind: str) -> Configuration:
+    """One CoMiGS-1G1S expert step on ``base``, on a fixed random batch, checkpointed as ``kind`` says."""
     device = next(base.parameters()).device
     batch = harness.batch_of(args, base.config.vocab_size, device)
-    return harness.trainer_configuration(comigs_trainer(base, variant="1G1S"), batch)
+    trainer = comigs_trainer(base, variant="1G1S")
+    if BASES[kind][2]:
+        enable_activation_checkpointing(trainer.model)
+    return harness.trainer_configuration(trainer, batch)
 
 
 def memory_of(args: argparse.Namespace, kind: str) -> dict[str, float]:
@@ -91,7 +100,7 @@ def memory_of(args: argparse.Namespace, kind: str) -> dict[str, float]:
     import transformers  # noqa: F401
 
     device = resolve_device(args.device)
-    return harness.measure_memory(lambda: device_configuration(args, load_base(args, kind)), device)
+    return harness.measure_memory(lambda: device_configuration(args, load_base(args, kind), kind), device)
 
 
 def figures_of(args: argparse.Namespace, weights: dict[str, float], times: dict[str, float],
@@ -137,7 +146,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, object]:
     memory = harness.memory_in_children(__file__, args.kinds, argv)
     bases = {kind: load_base(args, kind) for kind in args.kinds}
     weights = {kind: weight_mib(base) for kind, base in bases.items()}
-    configurations = {kind: device_configuration(args, base) for kind, base in bases.items()}
+    configurations = {kind: device_configuration(args, base, kind) for kind, base in bases.items()}
     times = harness.interleaved_step_times(configurations, args.steps, device)
     figures = figures_of(args, weights, times, memory)
     print(table(figures))

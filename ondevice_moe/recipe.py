@@ -37,19 +37,29 @@ class _Section(BaseModel):
 class ModelSection(_Section):
     """The frozen base model. ``device``: ``auto`` picks CUDA when present, else CPU.
     ``bias: false`` drops every layer's bias from a small model (FedSoft App. C: linear
-    regression "without the intercept term")."""
+    regression "without the intercept term"). ``activation_checkpointing: true`` replays each
+    block in the backward pass instead of keeping its activations (transformers models;
+    :mod:`~ondevice_moe.models.checkpointing`): less memory for one more forward per step."""
 
     name: str = "smollm2-135m"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     quantization: Literal["none", "nf4", "int8"] = "none"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     bias: bool = True
+    activation_checkpointing: bool = False
 
     @model_validator(mode="after")
     def _bias_of_small_models_only(self) -> ModelSection:
         if not self.bias and self.name not in SMALL_MODELS:
             raise ValueError(f"model.bias: false applies to the small models ({', '.join(SMALL_MODELS)}), "
                              f"not to '{self.name}'; drop it")
+        return self
+
+    @model_validator(mode="after")
+    def _checkpointing_of_transformers_models_only(self) -> ModelSection:
+        if self.activation_checkpointing and self.name in SMALL_MODELS:
+            raise ValueError(f"model '{self.name}' has no transformer blocks to checkpoint; drop "
+                             "model.activation_checkpointing or use a transformers model")
         return self
 
     @field_validator("name")

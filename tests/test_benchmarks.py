@@ -52,13 +52,13 @@ def test_hermes_benchmark_runs_one_step_on_tiny_gpt2(benchmarks):
 
 
 def test_quantization_benchmark_runs_one_step_per_base(benchmarks, saved_tiny_models):
-    kinds = ["fp32", "int8", "nf4-bf16"]  # each side's memory child costs a torch start-up
+    kinds = ["fp32", "int8", "nf4-bf16-ckpt"]  # each side's memory child costs a torch start-up
     figures = benchmarks["quantization"].main(["--model", str(saved_tiny_models["tiny-llama"]), "--kinds", *kinds[1:],
                                                *TINY_RUN])
     assert list(figures["step_s"]) == list(figures["tensor_peak_mib"]) == kinds
     weights = figures["weights_ratio"]
     assert weights["fp32"] == 1
-    assert weights["nf4-bf16"] < weights["int8"] < 1, "bitsandbytes packs the linear layers"
+    assert weights["nf4-bf16-ckpt"] < weights["int8"] < 1, "bitsandbytes packs the linear layers"
     assert all(figures["step_s"][kind] > 0 and figures["peak_rss_mib"][kind] > 0 for kind in kinds)
     tensors = figures["tensor_peak_mib"]
     assert all(tensors[kind] > figures["weights_mib"][kind] for kind in kinds), "the step adds to the weights"

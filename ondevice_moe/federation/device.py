@@ -34,6 +34,7 @@ from ondevice_moe.methods.fedsoft.centres import (
 )
 from ondevice_moe.methods.flow.procedure import flow_round
 from ondevice_moe.models import LoadedModel, load_base_model
+from ondevice_moe.models.checkpointing import enable_activation_checkpointing
 from ondevice_moe.routing import client_mixture
 from ondevice_moe.training import DeviceTrainer, trainable_state
 
@@ -170,6 +171,8 @@ def restore_model(job: Job, device: int, shared: ArrayRecord | None, state: Reco
 def restore_trainer(job: Job, device: int, shared: ArrayRecord | None, state: RecordDict) -> DeviceTrainer:
     """Rebuild the device's trainer: fresh experts, then private state, then the server's tensors."""
     model = build_model(job, device)
+    if job.recipe.model.activation_checkpointing:
+        enable_activation_checkpointing(model)
     trainer = DeviceTrainer(model, job.method, job.training)
     private, optimizer = device_state.load_device_state(state, with_optimizer=True)
     _load_tensors(model, private, shared)

@@ -31,6 +31,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from ondevice_moe.models.checkpointing import recording
 from ondevice_moe.routing.routers import Routing, linear_gate
 from ondevice_moe.routing.topk import top_k_softmax
 
@@ -85,7 +86,7 @@ class HermesRouter(nn.Module):
         if self.token_mask is not None:
             selected = selected * self.token_mask.reshape(*selected.shape[:-1], 1).to(selected.dtype)
         counts = selected.detach().reshape(-1, len(self.experts)).sum(dim=0)
-        if self.training:
+        if self.training and recording():  # once per step, not again in a checkpointed replay
             self._batch_counts = counts
             self.usage += counts
         return Routing(weights=weights.to(hidden.dtype), balance_loss=hidden.new_zeros(()))
