@@ -114,23 +114,44 @@ def _field_kib(path: str, field: str) -> int:
     return 0
 
 
-def measure(command: list[str], interval: float) -> dict[str, float]:
-    """Run ``command``; peak summed PSS of its process tree, summed per-process VmHWM (MiB), wall time."""
+def role_of(pid: int, root: int) -> str:
+    """What a process of the tree is: ``driver`` (the run), ``workers`` (Ray's actors serving
+    the devices), or the name of one of Ray's own processes (``gcs_server``, ``raylet``, ...)."""
+    if pid == root:
+        return "driver"
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return "gone"
+    words = [w.decode(errors="replace") for w in argv if w]
+    if any(w.startswith("ray::") for w in words):
+        return "workers"
+    script = next((w for w in words[1:] if w.endswith(".py")), words[0] if words else "?")
+    return Path(script).name
+
+
+def measure(command: list[str], interval: float) -> dict[str, object]:
+    """Run ``command``; peak summed PSS of its process tree and its split by process role at
+    that moment, summed per-process VmHWM (MiB), wall time."""
     start = time.perf_counter()
     path = os.pathsep.join(p for p in (str(simulations.ROOT), os.environ.get("PYTHONPATH")) if p)
     child = subprocess.Popen(command, env={**os.environ, "PYTHONPATH": path})
-    peak_pss = 0
+    peak_pss, at_peak = 0, {}
     hwm: dict[int, int] = {}
     while child.poll() is None:
-        pids = process_tree(child.pid)
-        peak_pss = max(peak_pss, sum(_field_kib(f"/proc/{pid}/smaps_rollup", "Pss") for pid in pids))
-        for pid in pids:
+        pss = {pid: _field_kib(f"/proc/{pid}/smaps_rollup", "Pss") for pid in process_tree(child.pid)}
+        if sum(pss.values()) > peak_pss:
+            peak_pss, at_peak = sum(pss.values()), {}
+            for pid, kib in pss.items():
+                role = role_of(pid, child.pid)
+                at_peak[role] = at_peak.get(role, 0) + kib / 1024
+        for pid in pss:
             hwm[pid] = max(hwm.get(pid, 0), _field_kib(f"/proc/{pid}/status", "VmHWM"))
         time.sleep(interval)
     if child.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed with exit status {child.returncode}")
-    return {"peak_pss_mib": peak_pss / 1024, "sum_vmhwm_mib": sum(hwm.values()) / 1024,
-            "processes": len(hwm), "wall_s": time.perf_counter() - start}
+    return {"peak_pss_mib": peak_pss / 1024, "peak_pss_by_role_mib": at_peak,
+            "sum_vmhwm_mib": sum(hwm.values()) / 1024, "processes": len(hwm), "wall_s": time.perf_counter() - start}
 
 
 def trained_devices(run_dir: Path) -> int:
@@ -168,6 +189,12 @@ def table(figures: dict) -> str:
              "|---|---|---|---|---|---|"]
     lines += [f"| {label} | {v['trained_devices']} | {v['peak_pss_mib']:.0f} | {v['sum_vmhwm_mib']:.0f} | "
               f"{v['processes']} | {v['wall_s']:.0f} |" for label, v in figures["variants"].items()]
+    lines += ["", "Peak PSS split by process at the moment of the peak (MiB):", ""]
+    roles = sorted({role for v in figures["variants"].values() for role in v["peak_pss_by_role_mib"]},
+                   key=lambda role: (role not in ("driver", "workers"), role))
+    lines += [f"| variant | {' | '.join(roles)} |", "|---|" + "---|" * len(roles)]
+    lines += [f"| {label} | " + " | ".join(f"{v['peak_pss_by_role_mib'].get(role, 0):.0f}" for role in roles) + " |"
+              for label, v in figures["variants"].items()]
     lines.append("")
     for kind, ratio in figures["ratio"].items():
         verdict = "within" if ratio["peak_pss_mib"] <= GOAL else "over"

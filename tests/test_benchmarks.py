@@ -154,6 +154,9 @@ def test_scale_benchmark_compares_the_peak_memory_of_two_client_counts(monkeypat
     assert (small["trained_devices"], large["trained_devices"]) == (1, 2)  # the same fraction of each
     assert small["processes"] > 2, "the Ray processes below the driver are measured too"
     assert all(0 < v["peak_pss_mib"] <= v["sum_vmhwm_mib"] for v in (small, large))
+    for variant in (small, large):  # the peak, split by process role, adds up to the peak
+        assert {"driver", "workers"} <= set(variant["peak_pss_by_role_mib"])
+        assert sum(variant["peak_pss_by_role_mib"].values()) == pytest.approx(variant["peak_pss_mib"])
     ratio = figures["ratio"]["disk"]["peak_pss_mib"]
     assert ratio == pytest.approx(large["peak_pss_mib"] / small["peak_pss_mib"])
     assert "peak PSS ×" in (tmp_path / "scale.md").read_text()
