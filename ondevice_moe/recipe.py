@@ -317,7 +317,10 @@ class FederationSection(_Section):
     under ``secaggplus``; :mod:`ondevice_moe.federation.secure_aggregation`); ``device_state``: where
     a device keeps its private tensors and optimiser state between rounds, ``memory``
     (Flower's ``context.state``) or ``disk`` (a file per device in the run folder;
-    :mod:`ondevice_moe.federation.device_state`).
+    :mod:`ondevice_moe.federation.device_state`); ``messages_in_flight``: at most this many
+    messages out at a time, the next built and sent as a reply comes back (default: two per
+    simulation worker; all at once under ``flwr run``;
+    :mod:`ondevice_moe.federation.window`).
     """
 
     rounds: int = Field(20, ge=1)
@@ -336,6 +339,7 @@ class FederationSection(_Section):
     secure_aggregation: Literal["none", "secaggplus"] = "none"
     secaggplus: SecAggPlusSection = SecAggPlusSection()
     device_state: Literal["memory", "disk"] = "memory"
+    messages_in_flight: int | None = Field(None, ge=1)
 
     @model_validator(mode="after")
     def _one_sampling_rule(self) -> FederationSection:

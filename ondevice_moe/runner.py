@@ -215,14 +215,15 @@ def _simulate(job: Job, on_round: Callable[[int, int, str], None] | None) -> Non
 
     from ondevice_moe.federation import client_app, server_app
     from ondevice_moe.federation.device_state import clear_state_folder
+    from ondevice_moe.federation.window import simulation_cpus
 
     job_file = job.to_file(job.run_dir / f".job-{job.method_index}.json")
     os.environ[JOB_ENV] = str(job_file.resolve())
-    cpus = job.recipe.federation.cpus_per_client
+    federation = job.recipe.federation
     backend = {
-        "init_args": {"num_cpus": max(int(cpus), os.cpu_count() or 1), "logging_level": "ERROR",
+        "init_args": {"num_cpus": simulation_cpus(federation), "logging_level": "ERROR",
                       "log_to_driver": False, "include_dashboard": False},
-        "client_resources": {"num_cpus": cpus, "num_gpus": gpus_per_client(job)},
+        "client_resources": {"num_cpus": federation.cpus_per_client, "num_gpus": gpus_per_client(job)},
     }
     server_app.progress_hook = on_round
     try:

@@ -21,6 +21,7 @@ from flwr.serverapp import Grid, ServerApp
 from ondevice_moe.errors import UserError
 from ondevice_moe.federation.job import Job, job_from_context
 from ondevice_moe.federation.strategy import SlotStrategy, connect, pack_slots
+from ondevice_moe.federation.window import WindowedGrid, simulation_window
 from ondevice_moe.report import MetricsLog
 
 app = ServerApp()
@@ -39,8 +40,11 @@ def main(grid: Grid, context: Context) -> None:
 
         runner.start_method(job)
     log = MetricsLog(job.run_dir / "metrics.jsonl")
+    window = job.recipe.federation.messages_in_flight
+    if window is None and not standalone:  # the simulation: ondevice-moe finetune
+        window = simulation_window(job.recipe.federation)
     try:
-        run_federation(grid, job, log)
+        run_federation(grid if window is None else WindowedGrid(grid, window), job, log)
     except Exception as error:
         # The driver reads this record to report the failure in one line.
         message = error.problem if isinstance(error, UserError) else f"{type(error).__name__}: {error}"

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 from logging import INFO
 from typing import Any
@@ -173,10 +173,8 @@ class SlotStrategy(Strategy):
                         grid: Grid) -> Iterable[Message]:
         self.slots = unpack_slots(arrays, self.rule.initial_slots())
         sampled = sample_devices(len(self.nodes), self.per_round, self.job.recipe.seed, server_round)
-        messages = [self._message(device, MessageType.TRAIN, server_round, final=False) for device in sampled]
-        sent = {device: _record_bytes(m.content["arrays"]) for device, m in zip(sampled, messages, strict=True)}
-        self._round = {"started": time.perf_counter(), "sampled": sampled, "sent": sent,
-                       "bytes_down": sum(sent.values())}
+        self._round = {"started": time.perf_counter(), "sampled": sampled, "sent": {}}
+        messages = self._train_messages(sampled, server_round)
         if self.federation.secure_aggregation == "secaggplus":
             # SecAgg+'s four round trips run here, where Flower hands over the Grid; Flower then sends nothing.
             by_node = {self.nodes[device]: message for device, message in zip(sampled, messages, strict=True)}
@@ -184,6 +182,15 @@ class SlotStrategy(Strategy):
                                                  server_round)
             return []
         return messages
+
+    def _train_messages(self, sampled: list[int], server_round: int) -> Iterator[Message]:
+        """The sampled devices' training messages, each built when the grid takes it (so a
+        :class:`~ondevice_moe.federation.window.WindowedGrid` holds only its window of them),
+        its bytes then counted as sent."""
+        for device in sampled:
+            message = self._message(device, MessageType.TRAIN, server_round, final=False)
+            self._round["sent"][device] = _record_bytes(message.content["arrays"])
+            yield message
 
     def aggregate_train(self, server_round: int,
                         replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
@@ -203,7 +210,7 @@ class SlotStrategy(Strategy):
                 f"fewer than federation.min_clients={self.federation.min_clients} ({reasons or 'no replies'})")
         self.slots = self.rule.aggregate(self.slots, sound)
         self.log.write({"method": self.job.method.name, "round": server_round, "kind": "comm", "bytes_up": bytes_up,
-                        "bytes_up_not_experts": bytes_up_other, "bytes_down": self._round["bytes_down"],
+                        "bytes_up_not_experts": bytes_up_other, "bytes_down": sum(self._round["sent"].values()),
                         "devices": devices, "dropped": len(drops)})
         self._log_privacy(server_round)
         self._round.update(bytes_up=bytes_up, drops=sorted(drops))
@@ -296,7 +303,7 @@ class SlotStrategy(Strategy):
             return []
         self.slots = unpack_slots(arrays, self.rule.initial_slots())
         final = server_round == self.total_rounds
-        return [self._message(device, MessageType.EVALUATE, server_round, final) for device in self.nodes]
+        return (self._message(device, MessageType.EVALUATE, server_round, final) for device in self.nodes)
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         if not self.evaluates(server_round):  # Flower calls this every round; nobody was asked

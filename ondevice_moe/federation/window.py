@@ -1,0 +1,96 @@
+"""At most a window of messages out at a time (``federation.messages_in_flight``).
+
+Flower's ``Grid.send_and_receive`` pushes a round's messages all at once, so the server holds
+one message per device at the same time: for an evaluation round of 100 devices, 100 copies of
+the shared experts (each message carries its own ``ArrayRecord``). :class:`WindowedGrid` sends
+them through a sliding window instead: it builds and pushes the next message when a reply comes
+back, so the server holds ``window`` messages, whatever the number of devices. The simulation
+runs ``workers`` devices at a time anyway, so a window of a few times that costs no time there;
+on real devices (``flwr run`` on SuperNodes), where every device works at once, the window is
+unbounded unless the recipe sets one.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterable, Iterator
+
+from flwr.app import Message
+from flwr.proto.node_pb2 import NodeInfo  # pylint: disable=E0611
+from flwr.serverapp import Grid
+from flwr.supercore.run import Run
+
+from ondevice_moe.recipe import FederationSection
+
+PULL_SECONDS = 0.1  # as Flower's InMemoryGrid
+WORKER_MULTIPLE = 2  # messages per simulation worker: one running, one waiting its turn
+
+
+def simulation_cpus(federation: FederationSection) -> int:
+    """The CPUs the simulation gives Ray: the machine's, or one device's when that is more."""
+    return max(int(federation.cpus_per_client), os.cpu_count() or 1)
+
+
+def simulation_window(federation: FederationSection) -> int:
+    """The simulation's default window: ``WORKER_MULTIPLE`` messages per worker process."""
+    workers = max(1, int(simulation_cpus(federation) // federation.cpus_per_client))
+    return WORKER_MULTIPLE * workers
+
+
+class WindowedGrid(Grid):
+    """``grid`` with ``send_and_receive`` keeping at most ``window`` messages in flight.
+
+    The messages are taken from their iterable one at a time, as the window frees up, so a
+    lazy iterable of messages is built one message at a time too. ``timeout`` bounds the whole
+    exchange, as in Flower: messages not sent by then are not sent, and count as unanswered.
+    Everything else is the wrapped grid's.
+    """
+
+    def __init__(self, grid: Grid, window: int) -> None:
+        if window < 1:
+            raise ValueError(f"window must be at least 1, got {window}")
+        self.grid = grid
+        self.window = window
+
+    def set_run(self, run: Run) -> None:
+        self.grid.set_run(run)
+
+    @property
+    def run(self) -> Run:
+        return self.grid.run
+
+    def create_message(self, *args, **kwargs) -> Message:
+        return self.grid.create_message(*args, **kwargs)
+
+    def get_node_ids(self) -> Iterable[int]:
+        return self.grid.get_node_ids()
+
+    def get_nodes(self) -> Iterable[NodeInfo]:
+        return self.grid.get_nodes()
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        return self.grid.push_messages(messages)
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        return self.grid.pull_messages(message_ids)
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
+        waiting: Iterator[Message] = iter(messages)
+        in_flight: set[str] = set()
+        replies: list[Message] = []
+        end = None if timeout is None else time.monotonic() + timeout
+
+        def fill() -> None:
+            while len(in_flight) < self.window and (message := next(waiting, None)) is not None:
+                in_flight.update(self.grid.push_messages([message]))
+
+        fill()
+        while in_flight and (end is None or time.monotonic() < end):
+            answered = list(self.grid.pull_messages(in_flight))
+            replies.extend(answered)
+            in_flight.difference_update(reply.metadata.reply_to_message_id for reply in answered)
+            fill()
+            if in_flight and not answered:
+                time.sleep(PULL_SECONDS)
+        return replies
