@@ -140,8 +140,9 @@ def measure(command: list[str], interval: float) -> dict[str, object]:
     hwm: dict[int, int] = {}
     while child.poll() is None:
         pss = {pid: _field_kib(f"/proc/{pid}/smaps_rollup", "Pss") for pid in process_tree(child.pid)}
-        if sum(pss.values()) > peak_pss:
-            peak_pss, at_peak = sum(pss.values()), {}
+        total = sum(pss.values())
+        if total > peak_pss:
+            peak_pss, at_peak = total, {}
             for pid, kib in pss.items():
                 role = role_of(pid, child.pid)
                 at_peak[role] = at_peak.get(role, 0) + kib / 1024
