@@ -150,18 +150,24 @@ PERSONALISATION_COLUMNS = {"Acc_g": "mean_score_global", "Acc_p": "mean_score",
                            "% clients Acc_p > Acc_g": "benefiting_pct", "global only": "mean_global_only",
                            "personalised only": "mean_personal_only", "both": "mean_both_correct",
                            "neither": "mean_neither_correct"}
+PERPLEXITY_PERSONALISATION_COLUMNS = {"ppl_g in": "mean_in_global", "ppl_p in": "mean_in",
+                                      "% users ppl_p < ppl_g": "benefiting_pct", "ppl_g out": "mean_out_global",
+                                      "ppl_p out": "mean_out"}
 
 
 def personalisation_table(summaries: list[dict]) -> str:
     """Flow Tables 2–3 over runs: per method with a global and a personalised model, the
     clients' mean Acc_g and Acc_p (eq. 6–7), the % of clients with Acc_p > Acc_g and the
-    per-instance breakdown, each mean (std) over runs."""
-    header = ["method", *PERSONALISATION_COLUMNS]
+    per-instance breakdown, each mean (std) over runs; on a language model, the perplexities
+    of both models in and out of distribution and the % of users whose own perplexity falls."""
+    columns = PERPLEXITY_PERSONALISATION_COLUMNS if summaries[0].get("metric") == "perplexity" \
+        else PERSONALISATION_COLUMNS
+    header = ["method", *columns]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for method in _common_methods(summaries):
         entries = [s["methods"][method] for s in summaries]
         if all("benefiting_pct" in e for e in entries):
-            cells = [_spread([e[key] for e in entries]) for key in PERSONALISATION_COLUMNS.values()]
+            cells = [_spread([e[key] for e in entries]) for key in columns.values()]
             lines.append(f"| {method} | {' | '.join(cells)} |")
     return "\n".join(lines)
 

@@ -27,7 +27,10 @@ and where the mixing happens:
 * ``mixing="layer-copies"`` — Flow §3 (eq. 2–3): every Linear and Conv2d layer of a small
   model is routed between its global self (shared) and one private copy (kind
   ``layer-copy``, :class:`~ondevice_moe.experts.layer_copy.RoutedLayer`), per instance,
-  by the policy network ψ (router ``instance-policy``, one exit per routed layer).
+  by the policy network ψ (router ``instance-policy``, one exit per routed layer). On a
+  Hugging Face model the copies are PEFT experts: a global (``shared_0``) and a local
+  (``private_0``) LoRA on each block's routed projections, one exit per block, plus
+  copies of the task head's Linear layers.
 
 Independently of the routed experts, ``attention_lora`` puts one always-on
 LoRA of the given role on every attention projection (CoMiGS App. B.1.2).
@@ -63,7 +66,7 @@ from ondevice_moe.mixture import MixedForward, MixtureMLP, gpt2_mixed_forward, l
 from ondevice_moe.routing import ClientMixtureRouter, ClientRouter, TokenTopKRouter, UniformRouter
 from ondevice_moe.routing.block import BlockRouter, route_block_input
 from ondevice_moe.routing.hermes import HermesRouter
-from ondevice_moe.routing.instance_policy import InstancePolicyRouter
+from ondevice_moe.routing.instance_policy import GLOBAL, LOCAL, InstancePolicyRouter, SequenceRepresentation
 from ondevice_moe.routing.routers import BalanceForm
 
 ExpertKind = Literal["lora", "adapter", "prefix", "layers", "model", "layer-copy"]
@@ -308,7 +311,7 @@ def attach_layout(base_model: nn.Module, layout: Layout, *, seed: int, user: int
     model = frozen_copy(base_model, own)
     device = next(base_model.parameters()).device
     if layout.mixing == "layer-copies":
-        _attach_layer_copies(model, layout, seed)
+        _attach_layer_copies(model, layout, _ExpertBuilder(layout, getattr(model, "config", None), seed, user), own)
         _move_experts(model, device)
         return model
     if layout.mixing in CLIENT_LEVEL_KINDS:
@@ -491,24 +494,71 @@ def _attach_client_mixture(model: nn.Module, layout: Layout, builder: _ExpertBui
             adapted.add(name, adaptor, gate)
 
 
-def _attach_layer_copies(model: nn.Module, layout: Layout, seed: int) -> None:
-    """Flow: ψ (``model.router``, shared, the same on every device) and a global/local pair in
-    place of every Linear and Conv2d layer of a small model, layer ``j`` read by exit ``j``;
-    ψ runs on the network's input before the network (eq. 2–3)."""
+def _attach_layer_copies(model: nn.Module, layout: Layout, builder: _ExpertBuilder, own: tuple[str, ...]) -> None:
+    """Flow: ψ (``model.router``, shared, the same on every device) and a global/local pair for
+    every routed layer, layer ``j`` read by exit ``j`` (eq. 2–3).
+
+    A small model: every Linear and Conv2d layer becomes a :class:`RoutedLayer` (the layer and a
+    private copy); ψ reads the network's flattened input. A Hugging Face model: each block's
+    routed projections (query and value) get a global LoRA expert (``shared_0``) and a local
+    one (``private_0``) under one exit per block, and every Linear layer of the task head
+    ``own`` (pooler, classifier) becomes a :class:`RoutedLayer`; ψ reads the mean input
+    embedding (:class:`SequenceRepresentation`)."""
+    if hasattr(model, "config"):
+        _attach_lora_copies(model, layout, builder, own)
+        return
     net = getattr(model, "net", None)
     input_shape = getattr(model, "input_shape", ())
-    if not isinstance(net, nn.Module) or hasattr(model, "config") or not input_shape:
-        raise UserError("Flow's global and local layer copies are built for the small models (linear, mlp, cnn)",
-                        "use a small model (model.name: mlp, cnn or linear) with a small task")
+    if not isinstance(net, nn.Module) or not input_shape:
+        raise UserError("Flow's global and local layer copies are built for the small models (linear, mlp, cnn) "
+                        "and for Hugging Face models with expert sites",
+                        "use model.name mlp, cnn or linear, or a GPT-2, LLaMA, BERT or RoBERTa model")
     paths = [path for path, layer in _adaptable_layers(model) if isinstance(layer, nn.Linear | nn.Conv2d)]
     router = InstancePolicyRouter(math.prod(input_shape), len(paths), layout.router.policy_hidden,
-                                  expert_generator(seed, "policy", "router"))
+                                  _policy_generator(builder.seed))
     model.router = router
     for index, path in enumerate(paths):
-        parent, _, leaf = path.rpartition(".")
-        owner = model.get_submodule(parent) if parent else model
-        setattr(owner, leaf, RoutedLayer(getattr(owner, leaf), router.gate(index)))
+        _route_layer_copy(model, path, router, index)
     net.register_forward_pre_hook(router.before_network)
+
+
+def _attach_lora_copies(model: nn.Module, layout: Layout, builder: _ExpertBuilder, own: tuple[str, ...]) -> None:
+    """Flow on a Hugging Face model (see :func:`_attach_layer_copies`)."""
+    sites, blocks = sites_of(model)
+    head = [path for path, layer in _adaptable_layers(model, own)
+            if isinstance(layer, nn.Linear) and any(path == p or path.startswith(p + ".") for p in own)]
+    # A language model (no task head) predicts its own tokens: each position is routed on its context only.
+    representation = SequenceRepresentation(model.get_input_embeddings(), causal=not own)
+    router = InstancePolicyRouter(model.config.hidden_size, len(blocks) + len(head), layout.router.policy_hidden,
+                                  _policy_generator(builder.seed), representation)
+    model.router = router
+    for index, block in enumerate(blocks):
+        for path in sites.routed_lora:
+            copies = []
+            for name, copy_index in (("shared_0", GLOBAL), ("private_0", LOCAL)):
+                lora = builder.lora(block, path, index, name)
+                _add_residual(block, path, name, lora, router.copy_gate(index, copy_index), LoRAAdaptedLinear)
+                copies.append(lora)
+            router.pairs.append((copies[0], copies[1]))
+    for offset, path in enumerate(head):
+        _route_layer_copy(model, path, router, len(blocks) + offset)
+    model.register_forward_pre_hook(router.before_model, with_kwargs=True)
+
+
+def _policy_generator(seed: int) -> torch.Generator:
+    """ψ starts the same on every device: it is shared."""
+    return expert_generator(seed, "policy", "router")
+
+
+def _route_layer_copy(model: nn.Module, path: str, router: InstancePolicyRouter, index: int) -> None:
+    """Replace the layer at ``path`` by a global and a private copy of it under exit ``index``,
+    both trainable. Both are the device's own tensors: the frozen copy of the model shares
+    its weights with the base every device starts from."""
+    parent, _, leaf = path.rpartition(".")
+    owner = model.get_submodule(parent) if parent else model
+    routed = RoutedLayer(copy.deepcopy(getattr(owner, leaf)), router.gate(index)).requires_grad_(True)
+    setattr(owner, leaf, routed)
+    router.pairs.append((routed.base, routed.local))
 
 
 def _always_on() -> torch.Tensor:

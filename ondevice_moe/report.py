@@ -96,7 +96,9 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
 VALUE_KEYS = {"test_ppl_in": "in", "test_ppl_out": "out", "score": "score",
               # Flow eq. 6-7 and Fig. 2: Acc_g beside Acc_p (``score``), and the per-instance breakdown.
               "score_global": "score_global", "global_only": "global_only", "personal_only": "personal_only",
-              "both_correct": "both_correct", "neither_correct": "neither_correct"}
+              "both_correct": "both_correct", "neither_correct": "neither_correct",
+              # Flow on a language model: the global model's perplexities beside the personalised ones.
+              "test_ppl_in_global": "in_global", "test_ppl_out_global": "out_global"}
 # Cluster centres scored on each source's test set (FedSoft, IFCA), kept as they are.
 CENTRE_KEY = re.compile(r"centre_(\d+)_source_(\d+)")
 # A round's timing (``round`` records of metrics.jsonl), kept per round in summary.json.
@@ -139,6 +141,9 @@ def summarize(records: list[dict[str, Any]], methods: list[str], users: list[str
         if "score_global" in keys:  # Flow Table 3: the share of clients with Acc_p > Acc_g
             entry["benefiting_pct"] = 100.0 * statistics.fmean(
                 final[u]["score"] > final[u]["score_global"] for u in users)
+        if "test_ppl_in_global" in keys:  # ... and on a language model, with ppl_p < ppl_g
+            entry["benefiting_pct"] = 100.0 * statistics.fmean(
+                final[u]["test_ppl_in"] < final[u]["test_ppl_in_global"] for u in users)
         entry["upload_bytes_per_round"] = statistics.fmean(r["bytes_up"] for r in comm) if comm else 0.0
         # Tensors outside experts and routers: the task head (pooler, classifier), or the base for fed-ft.
         entry["upload_outside_experts_bytes_per_round"] = (
@@ -266,6 +271,8 @@ def _personalisation_section(summary: dict[str, Any]) -> list[str]:
     methods = {name: m for name, m in summary["methods"].items() if "benefiting_pct" in m}
     if not methods:
         return []
+    if all("mean_in_global" in m for m in methods.values()):
+        return _perplexity_personalisation(methods)
     shorts = ("score_global", "score", "global_only", "personal_only", "both_correct", "neither_correct")
     rows = [f"| {name} | " + " | ".join(f"{m[f'mean_{s}']:.2f} ({m[f'std_{s}']:.2f})" for s in shorts)
             + f" | {m['benefiting_pct']:.1f} |" for name, m in methods.items()]
@@ -275,6 +282,21 @@ def _personalisation_section(summary: dict[str, Any]) -> list[str]:
             "personalised model only, both, neither; and the % of clients with Acc_p > Acc_g.", "",
             "| method | Acc_g | Acc_p | global only | personalised only | both | neither | % clients Acc_p > Acc_g |",
             "|---|---|---|---|---|---|---|---|", *rows, ""]
+
+
+def _perplexity_personalisation(methods: dict[str, Any]) -> list[str]:
+    """Flow's measures on a language model: the global and the personalised model's test
+    perplexity in and out of distribution, and the % of users whose own perplexity the
+    personalised model lowers."""
+    shorts = ("in_global", "in", "out_global", "out")
+    rows = [f"| {name} | " + " | ".join(f"{m[f'mean_{s}']:.2f} ({m[f'std_{s}']:.2f})" for s in shorts)
+            + f" | {m['benefiting_pct']:.1f} |" for name, m in methods.items()]
+    return ["## Global and personalised models", "",
+            "ppl_g: every token on the global experts; ppl_p: the personalised model (Flow: routed with the hard "
+            "policy, FedAvgFT: the local experts); in: the user's own test split, out: every user's; mean (std) "
+            "over users.", "",
+            "| method | ppl_g in | ppl_p in | ppl_g out | ppl_p out | % users ppl_p in < ppl_g in |",
+            "|---|---|---|---|---|---|", *rows, ""]
 
 
 def _privacy_section(summary: dict[str, Any]) -> list[str]:

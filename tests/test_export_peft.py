@@ -72,6 +72,24 @@ def test_a_single_expert_in_peft_gives_the_toolkits_logits(tmp_path, recipe, ove
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+def test_flows_global_model_in_peft_gives_the_global_paths_logits(tmp_path):
+    """Flow on BERT: the shared parts (global LoRA and global head copies) are a plain PEFT
+    adapter, and loaded in PEFT they give what the toolkit's global path gives."""
+    user_model = _user_model("tiny-classification.yaml", ["methods=[flow]", "flow.lora_rank=4"], tmp_path)
+    selected = select_parts(model_parts(user_model), ["shared"])
+    assert peft_experts(selected) == ["shared_0"]
+    folder = write_peft_folder(user_model, selected, "shared_0", tmp_path / "global", "tiny")
+    router = user_model.model.router
+    with torch.no_grad():
+        router.path = "global"
+        expected = _outputs(user_model, user_model.model)
+        router.path = "local"
+        local = _outputs(user_model, user_model.model)
+        got = _peft_logits(user_model, folder)
+    assert not torch.allclose(expected, local, atol=1e-3)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
 class _OneHot(nn.Module):
     """Every token to expert ``index``: the routed model then is that expert alone."""
 
@@ -115,8 +133,9 @@ def test_both_experts_load_into_one_peft_model(tmp_path):
     ("tiny-floral.yaml", ["methods=[floral]"]),  # FLoRAL's adaptors and client mixture
     ("tiny-fedsoft.yaml", ["methods=[fedsoft]"]),  # a whole model of its own
     ("tiny-flow.yaml", ["methods=[flow]"]),  # global and local layers, the policy
+    ("tiny-classification.yaml", ["methods=[flow]", "flow.lora_rank=4"]),  # global and local LoRA, routed head
     ("tiny-digits.yaml", ["methods=[fed-ft]"]),  # the digits MLP trained whole
-], ids=["hermes", "comigs-adapter", "floral", "fedsoft", "flow", "digits-mlp"])
+], ids=["hermes", "comigs-adapter", "floral", "fedsoft", "flow", "flow-bert", "digits-mlp"])
 def test_any_method_reloads_from_the_toolkit_format_to_identical_outputs(tmp_path, recipe, overrides):
     user_model = _user_model(recipe, overrides, tmp_path)
     parts = model_parts(user_model)

@@ -99,8 +99,8 @@ def test_flows_policy_is_read_per_instance_and_layer():
     recipe = load_recipe(RECIPES / "tiny-flow.yaml")
     model = dev.build_model(Job(recipe, 0, Path()), 0).eval()
     inputs = torch.rand((5, *recipe.task.spec().input_shape), generator=torch.Generator().manual_seed(0))
-    q0 = capture_instance_policy(model, inputs)
-    expected = instance_policy(model).route(inputs)
+    q0 = capture_instance_policy(model, {"inputs": inputs})
+    expected = instance_policy(model).route(inputs.flatten(1))
     assert q0.shape == (len(expected), 5)
     assert all(torch.allclose(torch.from_numpy(row), q[:, 0]) for row, q in zip(q0, expected, strict=True))
     records = [{"method": "flow", "kind": "train", "user": "client_0", "round": r, "q0_layer_0": 0.1 * r,

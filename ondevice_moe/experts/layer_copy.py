@@ -52,9 +52,22 @@ class RoutedLayer(nn.Module):
         out[~takes_global] = self.local(x[~takes_global])
         return out
 
-    def reset_local(self) -> None:
-        """``w_ℓ ← w_g`` (Alg. 1 line 5)."""
-        self.local.load_state_dict(self.base.state_dict())
+
+
+def restart_local_copies(pairs: list[tuple[nn.Module, nn.Module]]) -> None:
+    """``w_ℓ ← w_g`` (Alg. 1 line 5) for every (global, local) pair: whole layer copies, or a
+    Hugging Face block's global and local LoRA experts."""
+    for global_copy, local_copy in pairs:
+        local_copy.load_state_dict(global_copy.state_dict())
+
+
+def layer_name(model: nn.Module, name: str) -> str:
+    """A global copy's parameter under the name of the layer it copies (``classifier.base.weight``
+    → ``classifier.weight``): how Flow's routed task head is exported as the global model's head."""
+    for path, module in model.named_modules():
+        if isinstance(module, RoutedLayer) and name.startswith(path + ".base."):
+            return path + name[len(path) + len(".base"):]
+    return name
 
 
 def routed_layers(model: nn.Module) -> list[RoutedLayer]:
@@ -62,4 +75,4 @@ def routed_layers(model: nn.Module) -> list[RoutedLayer]:
     return [module for module in model.modules() if isinstance(module, RoutedLayer)]
 
 
-__all__ = ["RoutedLayer", "routed_layers"]
+__all__ = ["RoutedLayer", "layer_name", "restart_local_copies", "routed_layers"]

@@ -26,6 +26,7 @@ from transformers.pytorch_utils import Conv1D
 
 from ondevice_moe.errors import UserError
 from ondevice_moe.experts import LoRA
+from ondevice_moe.experts.layer_copy import layer_name
 from ondevice_moe.export.experts import Part, part_of
 from ondevice_moe.federation.device import head_paths
 from ondevice_moe.run_model import UserModel
@@ -120,7 +121,7 @@ def write_peft_folder(user_model: UserModel, parts: dict[str, Part], expert: str
         tensors[f"base_model.model.{target}.lora_A.weight"] = lora.lora_A.detach()
         tensors[f"base_model.model.{target}.lora_B.weight"] = lora.lora_B.detach()
     for name, tensor in parts["head"].tensors.items() if "head" in parts else ():
-        tensors[f"base_model.model.{name}"] = tensor
+        tensors[f"base_model.model.{layer_name(user_model.model, name)}"] = tensor
     folder.mkdir(parents=True, exist_ok=True)
     config = adapter_config(user_model, loras, base_name)
     (folder / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")

@@ -32,7 +32,7 @@ from ondevice_moe.methods.fedsoft.centres import (
     importance_weights,
     split_centres,
 )
-from ondevice_moe.methods.flow.procedure import flow_round
+from ondevice_moe.methods.flow.procedure import BlockExamples, flow_round
 from ondevice_moe.models import LoadedModel, load_base_model
 from ondevice_moe.models.checkpointing import enable_activation_checkpointing
 from ondevice_moe.routing import client_mixture
@@ -421,6 +421,8 @@ def _train_language_model(job: Job, device: int, trainer: DeviceTrainer, seed: i
     # The centralized upper bound sees every user's batch at once (CoMiGS: 64 × 4).
     batch = job.recipe.data.batch_size * len(users_of_device(job, device))
     train_blocks = device_split(job, device, "train")
+    if job.method.procedure.flow is not None:  # Flow, FedAvgFT: epochs over the halves of the blocks
+        return flow_round(trainer, BlockExamples(train_blocks), batch, seed)
     router_split = job.method.procedure.router_data
     metrics = trainer.train_iterations(
         job.recipe.federation.local_iterations,

@@ -15,7 +15,7 @@ from torch import nn
 
 from ondevice_moe.federation import device as dev
 from ondevice_moe.federation.job import Job
-from ondevice_moe.methods.flow.metrics import flow_scores
+from ondevice_moe.methods.flow.metrics import flow_scores, on_both_paths
 from ondevice_moe.metrics import LOWER_IS_BETTER, task_score
 from ondevice_moe.routing.fusion import FUSION_BLOCKS, fit_fusion
 from ondevice_moe.training import block_nll, nll_standard_error, perplexity_of, predict
@@ -45,6 +45,13 @@ def union_test_nll(job: Job, model: nn.Module) -> tuple[torch.Tensor, list[int],
 
 
 def _language_model(job: Job, device: int, model: nn.Module) -> dict[str, float]:
+    flow = job.method.procedure.flow
+    if flow is not None:  # Flow, FedAvgFT: the personalised and the global model (eq. 6-7 in perplexity)
+        return on_both_paths(model, flow, lambda: _perplexities(job, device, model))
+    return _perplexities(job, device, model)
+
+
+def _perplexities(job: Job, device: int, model: nn.Module) -> dict[str, float]:
     batch = job.recipe.data.eval_batch_size
     fused = None
     if job.method.procedure.experts_in_turn:  # FDLoRA: weigh global and personal modules first

@@ -122,11 +122,14 @@ def _routing_section(opened: UserModel, text: str | None, text_source: str, expe
     if instance_policy(model) is not None:
         inputs, labels, source = page_instances(opened)
         q0 = capture_instance_policy(model, inputs)
-        path = plot_instance_policy(q0, [f"y={int(y)}" for y in labels], _png(out, "policy", pngs))
+        path = plot_instance_policy(q0, labels, _png(out, "policy", pngs))
         hard = ", ".join(f"layer {j}: {100 * float((row >= 0.5).mean()):.0f}%" for j, row in enumerate(q0))
+        causal = " (a language model routes each position on its context; shown: each block's last)" \
+            if opened.recipe.is_language_modelling else ""
         return [*sections, f'<p class="note">{escape(source)} Flow routes each instance, not each token: per '
-                "routed layer, ψ gives the probability q of the global copy (Flow eq. 2); at inference the hard "
-                f"policy round(q) picks one copy. Instances on the global copy: {hard}.</p>",
+                "routed layer (per block of a Hugging Face model), ψ gives the probability q of the global copy "
+                f"(Flow eq. 2){causal}; at inference the hard policy round(q) picks one copy. Instances on the "
+                f"global copy: {hard}.</p>",
                 image(path, "Flow's policy per instance")]
     why = ("it has no experts" if not experts else "it holds a single expert" if len(experts) == 1
            else "its router mixes every expert with fixed weights")

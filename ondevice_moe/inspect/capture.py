@@ -83,9 +83,12 @@ def client_weights(model: nn.Module) -> dict[str, list[float]] | None:
 
 
 @torch.no_grad()
-def capture_instance_policy(model: nn.Module, inputs: torch.Tensor) -> np.ndarray:
-    """``q_0[layer, instance]``: Flow's soft probability of the global copy (eq. 2) per routed
-    layer, read from the router after one forward pass over ``inputs``."""
+def capture_instance_policy(model: nn.Module, inputs: dict[str, torch.Tensor]) -> np.ndarray:
+    """``q_0[exit, instance]``: Flow's soft probability of the global copy (eq. 2) at each exit
+    (routed layer, or block of a Hugging Face model), read by routing the batch ``inputs`` as
+    the model receives it. A causal language model routes every position on its context: an
+    instance's value is its last position's, the route that has read the whole block."""
     router = instance_policy(model)
-    model(inputs=inputs.to(next(model.parameters()).device))
-    return torch.stack([q[:, GLOBAL] for q in router.last_q]).float().cpu().numpy()
+    device = next(model.parameters()).device
+    shares = router.route_inputs({key: value.to(device) for key, value in inputs.items()})
+    return torch.stack([q[:, -1, GLOBAL] if q.dim() == 3 else q[:, GLOBAL] for q in shares]).float().cpu().numpy()

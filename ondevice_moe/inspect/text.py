@@ -1,5 +1,5 @@
 """What a page routes: the user's text or file, or the start of the user's own test split
-(its first instances, for Flow's per-instance policy on a small task)."""
+(its first instances, for Flow's per-instance policy)."""
 
 from __future__ import annotations
 
@@ -63,8 +63,17 @@ def _pieces(tokenizer, ids: torch.Tensor) -> list[str]:
     return pieces
 
 
-def page_instances(opened: UserModel) -> tuple[torch.Tensor, torch.Tensor, str]:
-    """The first test instances of the user (inputs and labels) and a sentence saying so."""
-    examples = dev.federated_task(opened.job).test[opened.recipe.user_names.index(opened.user)]
-    inputs, labels = examples.inputs[:INSTANCES], examples.labels[:INSTANCES]
-    return inputs, labels, f"The first {len(labels)} test instances of user {opened.user}."
+def page_instances(opened: UserModel) -> tuple[dict[str, torch.Tensor], list[str], str]:
+    """The user's first test instances as model inputs, a label for each, and a sentence
+    saying so: a small task's inputs and classes, a text task's examples and classes, or a
+    language model's test blocks."""
+    job, user = opened.job, opened.recipe.user_names.index(opened.user)
+    if opened.recipe.is_language_modelling:
+        blocks = dev.eval_blocks(job, user)[:INSTANCES]
+        return ({"input_ids": blocks}, [f"block {i}" for i in range(len(blocks))],
+                f"The first {len(blocks)} test blocks of user {opened.user}.")
+    examples = dev.federated_task(job).test[user]
+    rows = torch.arange(min(INSTANCES, len(examples)))
+    batch = {key: value for key, value in examples.batch(rows).items() if key != "labels"}
+    labels = [f"y={int(y)}" for y in examples.labels[rows]]
+    return batch, labels, f"The first {len(labels)} test instances of user {opened.user}."

@@ -85,8 +85,8 @@ METHODS: dict[str, MethodSpec] = {
     "local-adaptor": MethodSpec(LocalAdaptorOptions, floral_methods.local_adaptor, _ANY, "floral"),
     "fedsoft": MethodSpec(FedSoftOptions, fedsoft_methods.fedsoft, _SMALL, "fedsoft"),
     "ifca": MethodSpec(FedSoftOptions, fedsoft_methods.ifca, _SMALL, "fedsoft"),
-    "flow": MethodSpec(FlowOptions, flow_methods.flow, _SMALL, "flow"),
-    "fedavgft": MethodSpec(FlowOptions, flow_methods.fedavg_ft, _SMALL, "flow"),
+    "flow": MethodSpec(FlowOptions, flow_methods.flow, _ANY, "flow"),
+    "fedavgft": MethodSpec(FlowOptions, flow_methods.fedavg_ft, _ANY, "flow"),
 }
 
 

@@ -18,7 +18,9 @@ class FlowSizes(BaseModel):
     ``local_epochs`` / ``global_epochs``: K₁ epochs of the local copies on ζ_ℓ (eq. 1) and K₂
     epochs of the policy/global alternation on ζ_g (Alg. 1 lines 7–10); ``local_fraction``:
     the share of the device's training examples in ζ_ℓ (the paper splits them in halves);
-    ``policy_hidden``: the width of each of ψ's base layers (§3, Fig. 1); ``global_step``:
+    ``policy_hidden``: the width of each of ψ's base layers (§3, Fig. 1); ``lora_rank`` /
+    ``lora_alpha``: the global and local LoRA experts of a Hugging Face model (the paper
+    routes whole layers of small networks; γ = α/r, as PEFT's LoRA); ``global_step``:
     ``personalised`` trains the global layers on ``CE(w_p)`` (eq. 5), ``global-path`` on the
     global model's own loss, as the authors' code does (``trainers/client_flow.py``)."""
 
@@ -29,6 +31,8 @@ class FlowSizes(BaseModel):
     global_epochs: int = Field(1, ge=1)
     local_fraction: float = Field(0.5, gt=0, lt=1)
     policy_hidden: int = Field(64, ge=1)
+    lora_rank: int = Field(8, ge=1)
+    lora_alpha: float = Field(16.0, gt=0)
     global_step: Literal["personalised", "global-path"] = "personalised"
 
 

@@ -2,7 +2,9 @@
 
 * ``flow`` (Alg. 1): every Linear/Conv2d layer of a small model holds a global copy (shared)
   and a local copy (private), mixed per instance by the shared policy ψ (layout
-  ``layer-copies``, router ``instance-policy``, eq. 2–3); the round is Flow's three phases
+  ``layer-copies``, router ``instance-policy``, eq. 2–3); on a Hugging Face model the copies
+  are a global and a local LoRA expert per block and copies of the task head's layers, the
+  base frozen; the round is Flow's three phases
   (:mod:`ondevice_moe.methods.flow.procedure`); the server averages the global layers and ψ
   weighted by |ζ_g| (Alg. 1 line 14: the device reports |ζ_g| as its example count).
 * ``fedavgft`` (Tables 2–3, "FedAvg + Finetuning"): the same layout with fixed paths — the
@@ -14,17 +16,20 @@
 from __future__ import annotations
 
 from ondevice_moe.federation.rules import ServerRule
-from ondevice_moe.layout import ExpertSpec, Layout, RouterSpec
+from ondevice_moe.layout import ExpertSizes, ExpertSpec, Layout, RouterSpec
 from ondevice_moe.methods.base import FlowProcedure, Method, MethodContext, Procedure, Sharing, same_for_all
 from ondevice_moe.methods.flow.config import FlowOptions
 
 
 def _method(name: str, options: FlowOptions, context: MethodContext, policy: str) -> Method:
     layout = Layout((ExpertSpec("layer-copy", "private"),), RouterSpec("instance-policy",
-                    policy_hidden=options.policy_hidden), "layer-copies")
+                    policy_hidden=options.policy_hidden), "layer-copies",
+                    sizes=ExpertSizes(lora_rank=options.lora_rank, lora_alpha=options.lora_alpha,
+                                      rank_stabilised=False))
     rounds = FlowProcedure(options.gamma, options.local_epochs, options.global_epochs, options.local_fraction,
                            policy, options.global_step)
-    procedure = Procedure(routers="bilevel" if policy == "learned" else "none", full_finetune=True, flow=rounds)
+    # The layout makes the routed copies trainable; a Hugging Face base stays frozen.
+    procedure = Procedure(routers="bilevel" if policy == "learned" else "none", flow=rounds)
     return Method(name, same_for_all(context.num_users, layout), procedure, ServerRule("num_examples"),
                   Sharing(share_router=True))
 

@@ -5,9 +5,15 @@ policy; FedAvgFT: the local path), ``score_global`` the generalised accuracy ``A
 every instance on the global layers), both ×100; the per-instance breakdown is the share
 (%) of test instances correct by the global model only, the personalised model only, both,
 or neither (Fig. 2).
+
+On a language model the measures are perplexities (:func:`on_both_paths`): ``test_ppl_in`` /
+``test_ppl_out`` of the personalised model, ``test_ppl_in_global`` / ``test_ppl_out_global`` of
+the global one.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -37,6 +43,21 @@ def flow_scores(model: nn.Module, procedure: FlowProcedure, examples, batch_size
     scores = {"score": _percent(by_personal), "score_global": _percent(by_global)}
     scores.update({name: _percent(case) for name, case in zip(BREAKDOWN, cases, strict=True)})
     return scores
+
+
+def on_both_paths(model: nn.Module, procedure: FlowProcedure, measure: Callable[[], dict[str, float]]
+                  ) -> dict[str, float]:
+    """``measure()`` of the personalised model, and of the global model with ``_global`` after
+    each per-user key (``user_0/test_ppl_in_global``)."""
+    router = instance_policy(model)
+    try:
+        router.path = "global"
+        global_ = measure()
+        router.path = personal_path(procedure)
+        personal = measure()
+    finally:
+        router.path = "policy"
+    return {**personal, **{f"{key}_global": value for key, value in global_.items() if "/" in key}}
 
 
 def _percent(mask: torch.Tensor) -> float:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ondevice_moe.experts.layer_copy import routed_layers
+from ondevice_moe.experts.layer_copy import restart_local_copies
 from ondevice_moe.methods.base import FlowProcedure
 from ondevice_moe.routing.instance_policy import InstancePolicyRouter, instance_policy
 from ondevice_moe.training import Batch, DeviceTrainer
@@ -35,6 +35,19 @@ class ExampleRows:
 
     def batch(self, rows: torch.Tensor) -> Batch:
         return self.examples.batch(self.rows[rows])
+
+
+@dataclass(frozen=True)
+class BlockExamples:
+    """A language model's training blocks as examples: each block is its own target."""
+
+    blocks: torch.Tensor
+
+    def __len__(self) -> int:
+        return int(self.blocks.shape[0])
+
+    def batch(self, rows: torch.Tensor) -> Batch:
+        return {"input_ids": self.blocks[rows], "labels": self.blocks[rows]}
 
 
 def split_halves(count: int, local_fraction: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,12 +74,10 @@ def flow_round(trainer: DeviceTrainer, examples, batch_size: int, seed: int) -> 
     the weight of the device's upload (Alg. 1 line 12)."""
     procedure: FlowProcedure = trainer.method.procedure.flow
     router = instance_policy(trainer.model)
-    layers = routed_layers(trainer.model)
-    for layer in layers:
-        layer.reset_local()
+    restart_local_copies(router.pairs)
     local_rows, global_rows = split_halves(len(examples), procedure.local_fraction, seed)
-    global_ids = _parameter_ids(layer.base for layer in layers)
-    local_ids = _parameter_ids(layer.local for layer in layers)
+    global_ids = _parameter_ids(global_copy for global_copy, _ in router.pairs)
+    local_ids = _parameter_ids(local_copy for _, local_copy in router.pairs)
     router.path = "local"
     local_losses = [trainer.expert_step(batch, idle=global_ids)
                     for epoch in range(procedure.local_epochs)
@@ -93,8 +104,9 @@ def flow_round(trainer: DeviceTrainer, examples, batch_size: int, seed: int) -> 
 
 @torch.no_grad()
 def global_shares(router: InstancePolicyRouter, examples) -> dict[str, float]:
-    """``q0_layer_<j>``: the mean soft probability of the global copy at each routed layer."""
-    shares = router.route(examples.batch(torch.arange(len(examples)))["inputs"])
+    """``q0_layer_<j>``: the mean soft probability of the global copy at each exit (routed layer,
+    or block of a Hugging Face model)."""
+    shares = router.route_inputs(examples.batch(torch.arange(len(examples))))
     return {f"q0_layer_{index}": float(q[:, 0].mean()) for index, q in enumerate(shares)}
 
 
