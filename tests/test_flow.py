@@ -172,3 +172,33 @@ def test_the_codes_global_step_trains_the_global_path_alone_as_fedavgft_does():
     for key, tensor in rounds["fedavgft"].items():
         torch.testing.assert_close(rounds["code"][key], tensor)
     assert any(not torch.equal(rounds["paper"][key], tensor) for key, tensor in rounds["fedavgft"].items())
+
+
+def test_ditto_keeps_its_personal_copies_between_rounds_and_pulls_them_to_the_received_global_model():
+    """Ditto (Li et al. 2021, Alg. 1): the local copies are not restarted after the first round,
+    only the global copies leave the device, and a larger λ keeps the personal model nearer
+    the global model it received."""
+    distances = {}
+    for strength in (0.0, 10.0):
+        job = Job(load_recipe(TINY_FLOW, ["methods=[ditto]", f"flow.proximal_lambda={strength}"]), 0, Path("."))
+        state = RecordDict()
+        trainer = dev.restore_trainer(job, 0, None, state)
+        examples = dev.federated_task(job).train[0]
+        _, weight = flow_round(trainer, examples, job.recipe.task.batch_size, seed=0)
+        assert weight == len(examples)
+        dev.save_private_state(job, 0, trainer, state)
+        tensors, _ = dev.upload(job, trainer)
+        assert tensors and not any("private" in name for name in tensors)
+        # Next round: the server's global layers differ from the device's personal ones.
+        again = dev.restore_trainer(job, 0, None, state)
+        assert again.iteration == trainer.iteration > 0, "a returning device does not restart its personal model"
+        personal = {n: t.clone() for n, t in again.model.state_dict().items() if ".private_0." in n}
+        assert personal and all(torch.equal(personal[n], private_tensors(state)[n]) for n in personal)
+        received = {n: t.clone() for n, t in again.model.state_dict().items() if ".base." in n}
+        flow_round(again, examples, job.recipe.task.batch_size, seed=1)
+        assert again.iteration > trainer.iteration
+        distances[strength] = sum(float((again.model.state_dict()[n] - received[n.replace(".private_0.", ".base.")])
+                                        .pow(2).sum()) for n in personal)
+        assert not torch.equal(again.model.state_dict()[next(iter(personal))],
+                               received[next(iter(personal)).replace(".private_0.", ".base.")])
+    assert distances[10.0] < 0.5 * distances[0.0], distances

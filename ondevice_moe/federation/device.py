@@ -331,7 +331,7 @@ def upload(job: Job, trainer: DeviceTrainer) -> tuple[dict[str, torch.Tensor], d
     mixture = client_mixture(trainer.model)
     if mixture is not None:
         records["mixture"] = {"pi": mixture}
-    if trainer.anchors is not None:
+    if trainer.anchors is not None and job.method.procedure.centres is not None:
         records["mixture"] = {"pi": list(trainer.anchors.weights)}
     return tensors, records
 

@@ -80,8 +80,12 @@ class FlowProcedure:
     (``local_fraction`` of them in ζ_ℓ, seeded by the round); ``local_epochs`` (K₁) epochs train
     the local copies on ζ_ℓ (eq. 1); ``global_epochs`` (K₂) epochs on ζ_g alternate, batch by
     batch, a policy step with the regulariser weight ``gamma`` (γ, eq. 4) and a global step
-    (eq. 5). ``policy``: ``learned`` (Flow), or ``fixed-paths`` (FedAvgFT: the global layers
-    train on ζ_g alone and the personal model is the local path). ``global_step``: the global
+    (eq. 5). ``policy``: ``learned`` (Flow), ``fixed-paths`` (FedAvgFT: the global layers
+    train on ζ_g alone and the personal model is the local path) or ``ditto`` (Ditto, Li et
+    al. 2021: on all the examples, ``global_epochs`` of the global layers, then ``local_epochs``
+    of the local copies — kept between rounds, not restarted — on the loss plus
+    ``(proximal_lambda/2)·‖w_ℓ − w_g^t‖²`` to the round's received global layers; the personal
+    model is the local path). ``global_step``: the global
     step's loss, ``CE(w_p)`` (``personalised``, eq. 5) or ``CE(w_g)`` on the global path alone
     (``global-path``, the authors' ``trainers/client_flow.py``)."""
 
@@ -89,8 +93,9 @@ class FlowProcedure:
     local_epochs: int = 1
     global_epochs: int = 1
     local_fraction: float = 0.5
-    policy: Literal["learned", "fixed-paths"] = "learned"
+    policy: Literal["learned", "fixed-paths", "ditto"] = "learned"
     global_step: Literal["personalised", "global-path"] = "personalised"
+    proximal_lambda: float = 0.0
 
 
 @dataclass(frozen=True)

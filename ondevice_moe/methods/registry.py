@@ -87,6 +87,7 @@ METHODS: dict[str, MethodSpec] = {
     "ifca": MethodSpec(FedSoftOptions, fedsoft_methods.ifca, _SMALL, "fedsoft"),
     "flow": MethodSpec(FlowOptions, flow_methods.flow, _ANY, "flow"),
     "fedavgft": MethodSpec(FlowOptions, flow_methods.fedavg_ft, _ANY, "flow"),
+    "ditto": MethodSpec(FlowOptions, flow_methods.ditto, _ANY, "flow"),
 }
 
 

@@ -104,9 +104,11 @@ class ProximalAnchors:
     strength: float
 
     def penalty(self, parameters: list[tuple[str, nn.Parameter]]) -> torch.Tensor | None:
-        """Eq. (4)'s ``(λ/2) Σ_s u_ks ‖w − c_s‖²`` over the named trainable ``parameters``."""
+        """Eq. (4)'s ``(λ/2) Σ_s u_ks ‖w − c_s‖²`` over the named trainable ``parameters`` that the
+        centres hold (a centre holds every one in FedSoft; Ditto anchors the local copies only)."""
         if self.strength == 0:
             return None
-        total = sum(weight * sum((param - centre[name].to(param)).pow(2).sum() for name, param in parameters)
+        total = sum(weight * sum((param - centre[name].to(param)).pow(2).sum()
+                                 for name, param in parameters if name in centre)
                     for weight, centre in zip(self.weights, self.centres, strict=True))
         return 0.5 * self.strength * total

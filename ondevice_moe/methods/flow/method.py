@@ -10,6 +10,10 @@
 * ``fedavgft`` (Tables 2–3, "FedAvg + Finetuning"): the same layout with fixed paths — the
   global layers train with FedAvg on ζ_g, the local copies are the global model fine-tuned
   on ζ_ℓ, and the personal model is the local path.
+* ``ditto`` (Li et al., 2021, "Ditto: fair and robust federated learning through
+  personalization", Alg. 1; Flow Tables 2–3's Ditto row): the same layout; the global layers
+  train with FedAvg, the local copies are a personal model kept between rounds and trained on
+  ``f_k(v) + (λ/2)‖v − w^t‖²``; the personalised model is the local path.
 * FedAvg is ``fed-ft`` (the global model alone).
 """
 
@@ -27,7 +31,7 @@ def _method(name: str, options: FlowOptions, context: MethodContext, policy: str
                     sizes=ExpertSizes(lora_rank=options.lora_rank, lora_alpha=options.lora_alpha,
                                       rank_stabilised=False))
     rounds = FlowProcedure(options.gamma, options.local_epochs, options.global_epochs, options.local_fraction,
-                           policy, options.global_step)
+                           policy, options.global_step, options.proximal_lambda)
     # The layout makes the routed copies trainable; a Hugging Face base stays frozen.
     procedure = Procedure(routers="bilevel" if policy == "learned" else "none", flow=rounds)
     return Method(name, same_for_all(context.num_users, layout), procedure, ServerRule("num_examples"),
@@ -42,3 +46,9 @@ def flow(options: FlowOptions, context: MethodContext) -> Method:
 def fedavg_ft(options: FlowOptions, context: MethodContext) -> Method:
     """FedAvgFT: FedAvg of the global layers, and a local fine-tuned copy as the personal model."""
     return _method("fedavgft", options, context, "fixed-paths")
+
+
+def ditto(options: FlowOptions, context: MethodContext) -> Method:
+    """Ditto (Li et al., 2021, Alg. 1): FedAvg of the global layers, and a personal model of
+    its own kept on the device, trained with a proximal pull ``λ`` to the global one."""
+    return _method("ditto", options, context, "ditto")

@@ -26,7 +26,7 @@ BREAKDOWN = ("global_only", "personal_only", "both_correct", "neither_correct")
 
 
 def personal_path(procedure: FlowProcedure) -> str:
-    """The path of the personalised model: the learned policy (Flow) or the local copies (FedAvgFT)."""
+    """The path of the personalised model: the learned policy (Flow) or the local copies (FedAvgFT, Ditto)."""
     return "policy" if procedure.policy == "learned" else "local"
 
 

@@ -7,7 +7,8 @@
    ``global_step="global-path"``: on the global path's own loss, as the authors' code does).
 
 FedAvgFT (``policy="fixed-paths"``) runs the same round with the global step on the global
-path and no policy step: FedAvg on ζ_g plus a fine-tuned local copy.
+path and no policy step: FedAvg on ζ_g plus a fine-tuned local copy. Ditto
+(``policy="ditto"``, :func:`ditto_round`) keeps the local copies as a personal model of their own.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 
 from ondevice_moe.experts.layer_copy import restart_local_copies
 from ondevice_moe.methods.base import FlowProcedure
+from ondevice_moe.methods.fedsoft.centres import ProximalAnchors
 from ondevice_moe.routing.instance_policy import InstancePolicyRouter, instance_policy
 from ondevice_moe.training import Batch, DeviceTrainer
 
@@ -70,9 +72,11 @@ def _parameter_ids(modules) -> frozenset[int]:
 
 
 def flow_round(trainer: DeviceTrainer, examples, batch_size: int, seed: int) -> tuple[dict[str, float], int]:
-    """One round of Flow (or FedAvgFT) on ``examples``; returns the train metrics and |ζ_g|,
-    the weight of the device's upload (Alg. 1 line 12)."""
+    """One round of Flow (or FedAvgFT, or Ditto) on ``examples``; returns the train metrics and
+    the weight of the device's upload: |ζ_g| (Alg. 1 line 12), Ditto's every example."""
     procedure: FlowProcedure = trainer.method.procedure.flow
+    if procedure.policy == "ditto":
+        return ditto_round(trainer, examples, batch_size, seed)
     router = instance_policy(trainer.model)
     restart_local_copies(router.pairs)
     local_rows, global_rows = split_halves(len(examples), procedure.local_fraction, seed)
@@ -94,12 +98,46 @@ def flow_round(trainer: DeviceTrainer, examples, batch_size: int, seed: int) -> 
             router.path = global_path
             global_losses.append(trainer.expert_step(batch, idle=local_ids))
     router.path = "policy"
+    trainer.iteration += len(local_losses) + len(global_losses)
     metrics = {"train_loss_local": _mean(local_losses), "train_loss": _mean(global_losses),
                "iteration": float(trainer.iteration)}
     if policy_losses:
         metrics["router_loss"] = _mean(policy_losses)
         metrics.update(global_shares(router, global_half))
     return metrics, len(global_rows)
+
+
+def ditto_round(trainer: DeviceTrainer, examples, batch_size: int, seed: int) -> tuple[dict[str, float], int]:
+    """Ditto's round (Li et al., 2021, Alg. 1) on the layer copies: ``global_epochs`` epochs of
+    the global layers on every example (FedAvg's local update of ``w``), then ``local_epochs``
+    epochs of the personal model ``v`` (the local copies) on ``f_k(v) + (λ/2)‖v − w^t‖²``,
+    ``w^t`` being the global layers as received. ``v`` is the device's own between rounds; it
+    starts from the global model on the device's first round."""
+    procedure: FlowProcedure = trainer.method.procedure.flow
+    router = instance_policy(trainer.model)
+    if trainer.iteration == 0:
+        restart_local_copies(router.pairs)
+    names = {id(param): name for name, param in trainer.model.named_parameters()}
+    received = {names[id(local)]: global_.detach().clone() for global_copy, local_copy in router.pairs
+                for global_, local in zip(global_copy.parameters(), local_copy.parameters(), strict=True)}
+    global_ids = _parameter_ids(global_copy for global_copy, _ in router.pairs)
+    local_ids = _parameter_ids(local_copy for _, local_copy in router.pairs)
+    router.path = "global"
+    global_losses = [trainer.expert_step(batch, idle=local_ids)
+                     for epoch in range(procedure.global_epochs)
+                     for batch in epoch_batches(examples, batch_size, seed, epoch)]
+    router.path = "local"
+    trainer.anchors = ProximalAnchors((received,), (1.0,), procedure.proximal_lambda)
+    try:
+        local_losses = [trainer.expert_step(batch, idle=global_ids)
+                        for epoch in range(procedure.local_epochs)
+                        for batch in epoch_batches(examples, batch_size, seed, procedure.global_epochs + epoch)]
+    finally:
+        trainer.anchors = None
+        router.path = "policy"
+    trainer.iteration += len(local_losses) + len(global_losses)
+    return {"train_loss_local": _mean(local_losses), "train_loss": _mean(global_losses),
+            "iteration": float(trainer.iteration)}, len(examples)
 
 
 @torch.no_grad()
