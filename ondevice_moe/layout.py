@@ -170,7 +170,8 @@ class RouterSpec:
     FedUniPELT's dense sigmoid gates; ``client``: one weight per expert for the
     whole device, set by the method (FDLoRA); ``client-mixture``: FLoRAL's learned
     ``π = softmax(θ)`` for the whole device, or the one-hot ``π*`` on expert ``optimal``;
-    ``instance-policy``: Flow's ψ (eq. 2), ``policy_hidden`` units per base layer.
+    ``instance-policy``: Flow's ψ (eq. 2), ``policy_hidden`` units per base layer, and with
+    ``interpolation`` APFL's private α starting there.
     """
 
     kind: RouterKind = "token-topk"
@@ -184,6 +185,7 @@ class RouterSpec:
     use_gradient: bool = True
     optimal: int | None = None
     policy_hidden: int = 64
+    interpolation: float | None = None
 
 
 @dataclass(frozen=True)
@@ -515,7 +517,7 @@ def _attach_layer_copies(model: nn.Module, layout: Layout, builder: _ExpertBuild
                         "use model.name mlp, cnn or linear, or a GPT-2, LLaMA, BERT or RoBERTa model")
     paths = [path for path, layer in _adaptable_layers(model) if isinstance(layer, nn.Linear | nn.Conv2d)]
     router = InstancePolicyRouter(math.prod(input_shape), len(paths), layout.router.policy_hidden,
-                                  _policy_generator(builder.seed))
+                                  _policy_generator(builder.seed), interpolation=layout.router.interpolation)
     model.router = router
     for index, path in enumerate(paths):
         _route_layer_copy(model, path, router, index)
@@ -530,7 +532,7 @@ def _attach_lora_copies(model: nn.Module, layout: Layout, builder: _ExpertBuilde
     # A language model (no task head) predicts its own tokens: each position is routed on its context only.
     representation = SequenceRepresentation(model.get_input_embeddings(), causal=not own)
     router = InstancePolicyRouter(model.config.hidden_size, len(blocks) + len(head), layout.router.policy_hidden,
-                                  _policy_generator(builder.seed), representation)
+                                  _policy_generator(builder.seed), representation, layout.router.interpolation)
     model.router = router
     for index, block in enumerate(blocks):
         for path in sites.routed_lora:

@@ -202,3 +202,34 @@ def test_ditto_keeps_its_personal_copies_between_rounds_and_pulls_them_to_the_re
         assert not torch.equal(again.model.state_dict()[next(iter(personal))],
                                received[next(iter(personal)).replace(".private_0.", ".base.")])
     assert distances[10.0] < 0.5 * distances[0.0], distances
+
+
+def test_apfl_interpolates_global_and_personal_copies_with_a_private_learned_alpha():
+    """APFL (Deng et al. 2020): the personalised model is (1 − α)·w + α·v, α = sigmoid(logit)
+    is the device's own and trains, and only the global copies travel."""
+    job = Job(load_recipe(TINY_FLOW, ["methods=[apfl]", "flow.interpolation=0.25"]), 0, Path("."))
+    trainer = dev.restore_trainer(job, 0, None, RecordDict())
+    model, router = trainer.model, instance_policy(trainer.model)
+    assert float(torch.sigmoid(router.alpha_logit.detach())) == pytest.approx(0.25)
+    with torch.no_grad():
+        for _, local in router.pairs:
+            for param in local.parameters():
+                param.add_(torch.randn_like(param))
+    model.eval()
+    x = torch.randn(4, *job.recipe.task.spec().input_shape)
+    layer = routed_layers(model)[0]
+    captured = {}
+    layer.register_forward_hook(lambda _m, args, out: captured.update(x=args[0], out=out))
+    router.path = "mixture"
+    with torch.no_grad():
+        model(x)
+        expected = 0.75 * layer.base(captured["x"]) + 0.25 * layer.local(captured["x"])
+    torch.testing.assert_close(captured["out"], expected)
+    router.path = "policy"
+    examples = dev.federated_task(job).train[0]
+    metrics, weight = flow_round(trainer, examples, job.recipe.task.batch_size, seed=0)
+    assert weight == len(examples) and metrics["alpha"] != pytest.approx(0.25, abs=1e-6)
+    tensors, _ = dev.upload(job, trainer)
+    assert tensors and not any("private" in n or n.startswith("router.") for n in tensors)
+    assert "router.alpha_logit" in dev.trainable_state(model)
+    assert job.method.role_of("router.alpha_logit").value == "private"

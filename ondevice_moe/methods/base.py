@@ -85,7 +85,10 @@ class FlowProcedure:
     al. 2021: on all the examples, ``global_epochs`` of the global layers, then ``local_epochs``
     of the local copies — kept between rounds, not restarted — on the loss plus
     ``(proximal_lambda/2)·‖w_ℓ − w_g^t‖²`` to the round's received global layers; the personal
-    model is the local path). ``global_step``: the global
+    model is the local path) or ``apfl`` (APFL, Deng et al. 2020, Alg. 1: on all the examples,
+    each batch a step of the global layers on their own loss, then a step of the local copies
+    and the private α on the loss of ``(1 − α)·w_g + α·w_ℓ``; the personal model is that
+    interpolation). ``global_step``: the global
     step's loss, ``CE(w_p)`` (``personalised``, eq. 5) or ``CE(w_g)`` on the global path alone
     (``global-path``, the authors' ``trainers/client_flow.py``)."""
 
@@ -93,7 +96,7 @@ class FlowProcedure:
     local_epochs: int = 1
     global_epochs: int = 1
     local_fraction: float = 0.5
-    policy: Literal["learned", "fixed-paths", "ditto"] = "learned"
+    policy: Literal["learned", "fixed-paths", "ditto", "apfl"] = "learned"
     global_step: Literal["personalised", "global-path"] = "personalised"
     proximal_lambda: float = 0.0
 

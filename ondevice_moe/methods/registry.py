@@ -88,6 +88,7 @@ METHODS: dict[str, MethodSpec] = {
     "flow": MethodSpec(FlowOptions, flow_methods.flow, _ANY, "flow"),
     "fedavgft": MethodSpec(FlowOptions, flow_methods.fedavg_ft, _ANY, "flow"),
     "ditto": MethodSpec(FlowOptions, flow_methods.ditto, _ANY, "flow"),
+    "apfl": MethodSpec(FlowOptions, flow_methods.apfl, _ANY, "flow"),
 }
 
 

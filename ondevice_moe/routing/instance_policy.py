@@ -21,7 +21,10 @@ Which path the layers take is the router's ``path``:
 * ``policy`` — the soft policy ``q`` while training (eq. 3), its rounded, one-hot version
   ``round(q)`` at inference (§3 "Soft versus Hard Policy");
 * ``global`` / ``local`` — every instance on the global (``Acc_g``, eq. 6) or the local
-  copies (training ``w_ℓ`` on ``ζ_ℓ``, eq. 1).
+  copies (training ``w_ℓ`` on ``ζ_ℓ``, eq. 1);
+* ``mixture`` — APFL's interpolation (Deng et al., 2020, eq. 4): every instance on
+  ``(1 − α)·g + α·ℓ`` with the device's private ``α = sigmoid(alpha_logit)``, learned (a
+  linear layer's output is linear in its weights, so this is the interpolated model).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-Path = Literal["policy", "global", "local"]
+Path = Literal["policy", "global", "local", "mixture"]
 GLOBAL, LOCAL = 0, 1
 Representation = Callable[[Mapping[str, torch.Tensor]], torch.Tensor]
 
@@ -74,10 +77,11 @@ class InstancePolicyRouter(nn.Module):
 
     ``pairs``: the (global, local) modules it routes, in exit order (several per exit where
     one exit drives LoRA copies on several projections of a block); the layout fills it, and
-    Flow's round restarts each local module from its global one (Alg. 1 line 5)."""
+    Flow's round restarts each local module from its global one (Alg. 1 line 5).
+    ``interpolation``: APFL's α at the start (the ``mixture`` path's private parameter)."""
 
     def __init__(self, in_features: int, exits: int, hidden: int, generator: torch.Generator,
-                 represent: Representation = flattened_input) -> None:
+                 represent: Representation = flattened_input, interpolation: float | None = None) -> None:
         super().__init__()
         widths = [in_features] + [hidden] * exits
         self.base = nn.ModuleList(nn.Linear(a, b) for a, b in itertools.pairwise(widths))
@@ -87,6 +91,8 @@ class InstancePolicyRouter(nn.Module):
                 bound = 1.0 / layer.in_features ** 0.5
                 layer.weight.uniform_(-bound, bound, generator=generator)
                 layer.bias.uniform_(-bound, bound, generator=generator)
+        if interpolation is not None:  # APFL's α, kept in (0, 1) by a sigmoid
+            self.alpha_logit = nn.Parameter(torch.logit(torch.tensor(float(interpolation))))
         self.represent = represent
         self.pairs: list[tuple[nn.Module, nn.Module]] = []
         self.path: Path = "policy"
@@ -121,6 +127,9 @@ class InstancePolicyRouter(nn.Module):
     def weights(self, index: int) -> torch.Tensor:
         """The mixing weights exit ``index`` gives now, ``(…, 2)``: ``q``, ``round(q)`` or a fixed path."""
         q = self.last_q[index]
+        if self.path == "mixture":
+            alpha = torch.sigmoid(self.alpha_logit).to(q.dtype)
+            return torch.stack([1 - alpha, alpha]).expand(q.shape)
         if self.path != "policy":
             chosen = torch.full(q.shape[:-1], GLOBAL if self.path == "global" else LOCAL, device=q.device)
             return nn.functional.one_hot(chosen, 2).to(q.dtype)

@@ -21,7 +21,8 @@ class FlowSizes(BaseModel):
     ``policy_hidden``: the width of each of ψ's base layers (§3, Fig. 1); ``lora_rank`` /
     ``lora_alpha``: the global and local LoRA experts of a Hugging Face model (the paper
     routes whole layers of small networks; γ = α/r, as PEFT's LoRA); ``proximal_lambda``:
-    Ditto's λ (Li et al. 2021, eq. 2), the pull of the personal model to the global one; ``global_step``:
+    Ditto's λ (Li et al. 2021, eq. 2), the pull of the personal model to the global one;
+    ``interpolation``: APFL's α at the start (Deng et al. 2020; learned from there); ``global_step``:
     ``personalised`` trains the global layers on ``CE(w_p)`` (eq. 5), ``global-path`` on the
     global model's own loss, as the authors' code does (``trainers/client_flow.py``)."""
 
@@ -35,6 +36,7 @@ class FlowSizes(BaseModel):
     lora_rank: int = Field(8, ge=1)
     lora_alpha: float = Field(16.0, gt=0)
     proximal_lambda: float = Field(0.1, ge=0)
+    interpolation: float = Field(0.5, gt=0, lt=1)
     global_step: Literal["personalised", "global-path"] = "personalised"
 
 

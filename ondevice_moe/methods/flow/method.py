@@ -14,6 +14,10 @@
   personalization", Alg. 1; Flow Tables 2–3's Ditto row): the same layout; the global layers
   train with FedAvg, the local copies are a personal model kept between rounds and trained on
   ``f_k(v) + (λ/2)‖v − w^t‖²``; the personalised model is the local path.
+* ``apfl`` (Deng et al., 2020, "Adaptive personalized federated learning", Alg. 1; Flow
+  Tables 2–3's APFL row): the same layout; the global layers train with FedAvg, the local
+  copies ``v`` (kept between rounds) and a private α train on the loss of the interpolated
+  model ``(1 − α)·w + α·v``, which is the personalised model.
 * FedAvg is ``fed-ft`` (the global model alone).
 """
 
@@ -26,16 +30,20 @@ from ondevice_moe.methods.flow.config import FlowOptions
 
 
 def _method(name: str, options: FlowOptions, context: MethodContext, policy: str) -> Method:
-    layout = Layout((ExpertSpec("layer-copy", "private"),), RouterSpec("instance-policy",
-                    policy_hidden=options.policy_hidden), "layer-copies",
+    apfl = policy == "apfl"
+    layout = Layout((ExpertSpec("layer-copy", "private"),), RouterSpec(
+                    "instance-policy", policy_hidden=options.policy_hidden,
+                    interpolation=options.interpolation if apfl else None), "layer-copies",
                     sizes=ExpertSizes(lora_rank=options.lora_rank, lora_alpha=options.lora_alpha,
                                       rank_stabilised=False))
     rounds = FlowProcedure(options.gamma, options.local_epochs, options.global_epochs, options.local_fraction,
                            policy, options.global_step, options.proximal_lambda)
     # The layout makes the routed copies trainable; a Hugging Face base stays frozen.
-    procedure = Procedure(routers="bilevel" if policy == "learned" else "none", flow=rounds)
+    # APFL's α sits with ψ and trains with the local copies; it is the device's own, and ψ (unused) stays home.
+    routers = "bilevel" if policy == "learned" else "joint" if apfl else "none"
+    procedure = Procedure(routers=routers, flow=rounds)
     return Method(name, same_for_all(context.num_users, layout), procedure, ServerRule("num_examples"),
-                  Sharing(share_router=True))
+                  Sharing(share_router=not apfl))
 
 
 def flow(options: FlowOptions, context: MethodContext) -> Method:
@@ -46,6 +54,12 @@ def flow(options: FlowOptions, context: MethodContext) -> Method:
 def fedavg_ft(options: FlowOptions, context: MethodContext) -> Method:
     """FedAvgFT: FedAvg of the global layers, and a local fine-tuned copy as the personal model."""
     return _method("fedavgft", options, context, "fixed-paths")
+
+
+def apfl(options: FlowOptions, context: MethodContext) -> Method:
+    """APFL (Deng et al., 2020, Alg. 1): FedAvg of the global layers, a personal model of its own
+    kept on the device, and the personalised model their interpolation by a learned private α."""
+    return _method("apfl", options, context, "apfl")
 
 
 def ditto(options: FlowOptions, context: MethodContext) -> Method:

@@ -26,8 +26,9 @@ BREAKDOWN = ("global_only", "personal_only", "both_correct", "neither_correct")
 
 
 def personal_path(procedure: FlowProcedure) -> str:
-    """The path of the personalised model: the learned policy (Flow) or the local copies (FedAvgFT, Ditto)."""
-    return "policy" if procedure.policy == "learned" else "local"
+    """The path of the personalised model: the learned policy (Flow), the interpolation (APFL)
+    or the local copies (FedAvgFT, Ditto)."""
+    return {"learned": "policy", "apfl": "mixture"}.get(procedure.policy, "local")
 
 
 def flow_scores(model: nn.Module, procedure: FlowProcedure, examples, batch_size: int) -> dict[str, float]:

@@ -8,7 +8,8 @@
 
 FedAvgFT (``policy="fixed-paths"``) runs the same round with the global step on the global
 path and no policy step: FedAvg on ζ_g plus a fine-tuned local copy. Ditto
-(``policy="ditto"``, :func:`ditto_round`) keeps the local copies as a personal model of their own.
+(``policy="ditto"``, :func:`ditto_round`) and APFL (``policy="apfl"``, :func:`apfl_round`) keep
+the local copies as a personal model of the device's own.
 """
 
 from __future__ import annotations
@@ -72,11 +73,11 @@ def _parameter_ids(modules) -> frozenset[int]:
 
 
 def flow_round(trainer: DeviceTrainer, examples, batch_size: int, seed: int) -> tuple[dict[str, float], int]:
-    """One round of Flow (or FedAvgFT, or Ditto) on ``examples``; returns the train metrics and
-    the weight of the device's upload: |ζ_g| (Alg. 1 line 12), Ditto's every example."""
+    """One round of Flow (or FedAvgFT, Ditto, APFL) on ``examples``; returns the train metrics and
+    the weight of the device's upload: |ζ_g| (Alg. 1 line 12); Ditto's and APFL's every example."""
     procedure: FlowProcedure = trainer.method.procedure.flow
-    if procedure.policy == "ditto":
-        return ditto_round(trainer, examples, batch_size, seed)
+    if procedure.policy in PERSONAL_MODEL_ROUNDS:
+        return PERSONAL_MODEL_ROUNDS[procedure.policy](trainer, examples, batch_size, seed)
     router = instance_policy(trainer.model)
     restart_local_copies(router.pairs)
     local_rows, global_rows = split_halves(len(examples), procedure.local_fraction, seed)
@@ -114,14 +115,10 @@ def ditto_round(trainer: DeviceTrainer, examples, batch_size: int, seed: int) ->
     ``w^t`` being the global layers as received. ``v`` is the device's own between rounds; it
     starts from the global model on the device's first round."""
     procedure: FlowProcedure = trainer.method.procedure.flow
-    router = instance_policy(trainer.model)
-    if trainer.iteration == 0:
-        restart_local_copies(router.pairs)
+    router, global_ids, local_ids = _personal_model_start(trainer)
     names = {id(param): name for name, param in trainer.model.named_parameters()}
     received = {names[id(local)]: global_.detach().clone() for global_copy, local_copy in router.pairs
                 for global_, local in zip(global_copy.parameters(), local_copy.parameters(), strict=True)}
-    global_ids = _parameter_ids(global_copy for global_copy, _ in router.pairs)
-    local_ids = _parameter_ids(local_copy for _, local_copy in router.pairs)
     router.path = "global"
     global_losses = [trainer.expert_step(batch, idle=local_ids)
                      for epoch in range(procedure.global_epochs)
@@ -140,6 +137,42 @@ def ditto_round(trainer: DeviceTrainer, examples, batch_size: int, seed: int) ->
             "iteration": float(trainer.iteration)}, len(examples)
 
 
+def apfl_round(trainer: DeviceTrainer, examples, batch_size: int, seed: int) -> tuple[dict[str, float], int]:
+    """APFL's round (Deng et al., 2020, Alg. 1) on the layer copies: ``local_epochs`` epochs over
+    every example, each batch a step of the global layers ``w`` on their own loss, then a step
+    of the personal model ``v`` (the local copies, the device's own between rounds) and of α on
+    the loss of ``(1 − α)·w + α·v``. α is the device's, as ``v``; the paper clips α to [0, 1]
+    after each step where we keep it in (0, 1) by a sigmoid."""
+    procedure: FlowProcedure = trainer.method.procedure.flow
+    router, global_ids, local_ids = _personal_model_start(trainer)
+    alpha = frozenset({id(router.alpha_logit)})
+    global_losses, local_losses = [], []
+    try:
+        for epoch in range(procedure.local_epochs):
+            for batch in epoch_batches(examples, batch_size, seed, epoch):
+                router.path = "global"
+                global_losses.append(trainer.expert_step(batch, idle=local_ids | alpha))
+                router.path = "mixture"
+                local_losses.append(trainer.expert_step(batch, idle=global_ids))
+    finally:
+        router.path = "policy"
+    trainer.iteration += len(local_losses) + len(global_losses)
+    metrics = {"train_loss_local": _mean(local_losses), "train_loss": _mean(global_losses),
+               "alpha": float(torch.sigmoid(router.alpha_logit.detach())), "iteration": float(trainer.iteration)}
+    return metrics, len(examples)
+
+
+def _personal_model_start(trainer: DeviceTrainer) -> tuple[InstancePolicyRouter, frozenset[int], frozenset[int]]:
+    """The router and the ids of the global and the local copies' parameters, for a method whose
+    local copies are a personal model of the device's own (Ditto, APFL): it starts from the
+    global model on the device's first round and is kept from then on."""
+    router = instance_policy(trainer.model)
+    if trainer.iteration == 0:
+        restart_local_copies(router.pairs)
+    return (router, _parameter_ids(global_copy for global_copy, _ in router.pairs),
+            _parameter_ids(local_copy for _, local_copy in router.pairs))
+
+
 @torch.no_grad()
 def global_shares(router: InstancePolicyRouter, examples) -> dict[str, float]:
     """``q0_layer_<j>``: the mean soft probability of the global copy at each exit (routed layer,
@@ -150,3 +183,6 @@ def global_shares(router: InstancePolicyRouter, examples) -> dict[str, float]:
 
 def _mean(values: list[float]) -> float:
     return sum(values) / max(len(values), 1)
+
+
+PERSONAL_MODEL_ROUNDS = {"ditto": ditto_round, "apfl": apfl_round}
