@@ -267,36 +267,32 @@ def _centres_section(summary: dict[str, Any]) -> list[str]:
 def _personalisation_section(summary: dict[str, Any]) -> list[str]:
     """Flow's measures, for methods with a global and a personalised model: Acc_g and Acc_p
     (eq. 6-7, Table 2), the share of clients they benefit (Table 3) and the per-instance
-    breakdown (Fig. 2), mean (std) over clients."""
+    breakdown (Fig. 2), mean (std) over clients; on a language model, both models' test
+    perplexity in and out of distribution and the % of users whose own perplexity falls."""
     methods = {name: m for name, m in summary["methods"].items() if "benefiting_pct" in m}
     if not methods:
         return []
     if all("mean_in_global" in m for m in methods.values()):
-        return _perplexity_personalisation(methods)
-    shorts = ("score_global", "score", "global_only", "personal_only", "both_correct", "neither_correct")
-    rows = [f"| {name} | " + " | ".join(f"{m[f'mean_{s}']:.2f} ({m[f'std_{s}']:.2f})" for s in shorts)
-            + f" | {m['benefiting_pct']:.1f} |" for name, m in methods.items()]
-    return ["## Global and personalised models", "",
+        return _personalisation_table(methods, ("in_global", "in", "out_global", "out"), (
+            "ppl_g: every token on the global experts; ppl_p: the personalised model (Flow: routed with the hard "
+            "policy; APFL: the interpolation; FedAvgFT, Ditto: the local experts); in: the user's own test split, "
+            "out: every user's; mean (std) over users."),
+            ["ppl_g in", "ppl_p in", "ppl_g out", "ppl_p out", "% users ppl_p in < ppl_g in"])
+    return _personalisation_table(
+        methods, ("score_global", "score", "global_only", "personal_only", "both_correct", "neither_correct"), (
             "Acc_g: every instance on the global layers; Acc_p: the personalised model (Flow: routed with the "
             "hard policy); then the % of each client's test instances correct by the global model only, the "
-            "personalised model only, both, neither; and the % of clients with Acc_p > Acc_g.", "",
-            "| method | Acc_g | Acc_p | global only | personalised only | both | neither | % clients Acc_p > Acc_g |",
-            "|---|---|---|---|---|---|---|---|", *rows, ""]
+            "personalised model only, both, neither; and the % of clients with Acc_p > Acc_g."),
+        ["Acc_g", "Acc_p", "global only", "personalised only", "both", "neither", "% clients Acc_p > Acc_g"])
 
 
-def _perplexity_personalisation(methods: dict[str, Any]) -> list[str]:
-    """Flow's measures on a language model: the global and the personalised model's test
-    perplexity in and out of distribution, and the % of users whose own perplexity the
-    personalised model lowers."""
-    shorts = ("in_global", "in", "out_global", "out")
+def _personalisation_table(methods: dict[str, Any], shorts: tuple[str, ...], note: str, header: list[str]
+                           ) -> list[str]:
+    """The section: ``note``, then per method the mean (std) of each value and the % benefiting."""
     rows = [f"| {name} | " + " | ".join(f"{m[f'mean_{s}']:.2f} ({m[f'std_{s}']:.2f})" for s in shorts)
             + f" | {m['benefiting_pct']:.1f} |" for name, m in methods.items()]
-    return ["## Global and personalised models", "",
-            "ppl_g: every token on the global experts; ppl_p: the personalised model (Flow: routed with the hard "
-            "policy, FedAvgFT: the local experts); in: the user's own test split, out: every user's; mean (std) "
-            "over users.", "",
-            "| method | ppl_g in | ppl_p in | ppl_g out | ppl_p out | % users ppl_p in < ppl_g in |",
-            "|---|---|---|---|---|---|", *rows, ""]
+    return ["## Global and personalised models", "", note, "", "| method | " + " | ".join(header) + " |",
+            "|---" * (len(header) + 1) + "|", *rows, ""]
 
 
 def _privacy_section(summary: dict[str, Any]) -> list[str]:
