@@ -44,7 +44,7 @@ from pathlib import Path
 
 from scipy import stats
 
-from ondevice_moe.metrics import LOWER_IS_BETTER
+from ondevice_moe.metrics import lower_is_better
 from ondevice_moe.report import CENTRE_KEY, format_bytes
 
 SIGNIFICANCE = 0.05
@@ -131,7 +131,7 @@ def matched_centres(centres: dict[str, float], lower_is_better: bool) -> list[li
 def centre_table(summaries: list[dict]) -> str:
     """Per clustered method and source: the matched centre's score and the other centres'
     mean, mean (std) over runs, and the runs in which the matched centre is the best."""
-    lower = summaries[0].get("metric") in LOWER_IS_BETTER
+    lower = lower_is_better(summaries[0].get("metric", "perplexity"))
     header = ["method", "source", "matched centre", "other centres", "matched centre best"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for method in _common_methods(summaries):

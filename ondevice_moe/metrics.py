@@ -77,6 +77,11 @@ METRICS: dict[str, Callable[[Values, Values], float]] = {
 LOWER_IS_BETTER = frozenset({"mse"})
 
 
+def lower_is_better(metric: str) -> bool:
+    """Whether a smaller value of ``metric`` is better: an error, or a language model's perplexity."""
+    return metric in LOWER_IS_BETTER or metric == "perplexity"
+
+
 def task_score(metric: str, predictions: Values, labels: Values) -> float:
     """The named metric (a key of :data:`METRICS`) of ``predictions`` against ``labels``."""
     if metric not in METRICS:
@@ -108,5 +113,5 @@ def _average_ranks(values: np.ndarray) -> np.ndarray:
     return (first_rank + (counts - 1) / 2)[groups]
 
 
-__all__ = ["LOWER_IS_BETTER", "METRICS", "accuracy", "binary_f1", "matthews_correlation", "mean_squared_error",
-           "spearman", "task_score"]
+__all__ = ["LOWER_IS_BETTER", "METRICS", "accuracy", "binary_f1", "lower_is_better", "matthews_correlation",
+           "mean_squared_error", "spearman", "task_score"]

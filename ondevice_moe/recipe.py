@@ -471,6 +471,10 @@ class Recipe(_Section):
             valid = [name for name, spec in METHODS.items() if kind in spec.tasks]
             raise ValueError(f"methods {wrong} do not run on a {kind} recipe; use {', '.join(valid)}")
         built = [self._method_for_validation(index) for index in range(len(self.methods))]
+        whole_centres = [m.name for m in built if m.procedure.centres is not None and m.layouts[0] is None]
+        if whole_centres and not small_model:
+            raise ValueError(f"methods {whole_centres} would keep whole copies of a Hugging Face model as cluster "
+                             "centres; give them cluster adapters: set fedsoft.lora_rank (e.g. 8)")
         if self.model.quantization != "none":
             whole = [m.name for m in built if m.procedure.full_finetune]
             if whole:

@@ -18,7 +18,7 @@ from typing import Any
 
 import matplotlib
 
-from ondevice_moe.metrics import LOWER_IS_BETTER
+from ondevice_moe.metrics import LOWER_IS_BETTER, lower_is_better
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
@@ -255,7 +255,7 @@ def centre_table(centres: dict[str, float], lower_is_better: bool) -> str:
 
 def _centres_section(summary: dict[str, Any]) -> list[str]:
     """Each clustered method's centre-by-source table, when a method has centres."""
-    lower = summary.get("metric") in LOWER_IS_BETTER
+    lower = lower_is_better(summary.get("metric", "perplexity"))
     lines = []
     for name, method in summary["methods"].items():
         if "centres" in method:

@@ -261,11 +261,14 @@ def test_the_linear_model_has_no_intercept_and_only_small_models_drop_their_bias
         validate_recipe(raw)
 
 
-def test_fedsoft_refuses_language_model_recipes():
+def test_fedsoft_on_a_hugging_face_model_needs_cluster_adapters():
     raw = yaml.safe_load(TINY_FEDSOFT.read_text())
     raw["model"], raw["task"] = {"name": "tiny-bert"}, {"name": "sst2", "clients": 2}
-    with pytest.raises(UserError, match="do not run"):
+    raw["fedsoft"].update(clusters=2, selection_size=None)
+    with pytest.raises(UserError, match=r"fedsoft\.lora_rank"):
         validate_recipe(raw)
+    raw["fedsoft"] = {**raw.get("fedsoft", {}), "lora_rank": 4}
+    assert validate_recipe(raw).method(0).layouts[0].attention_lora == "shared"
 
 
 # -- a run ---------------------------------------------------------------------------------------------------------

@@ -99,6 +99,33 @@ def user_data(job: Job, user: int) -> UserData:
     return _DATA[key]
 
 
+_SOURCES: dict[str, list[tuple[str, torch.Tensor]]] = {}
+
+
+def source_test_blocks(job: Job) -> list[tuple[str, torch.Tensor]]:
+    """Each distinct source of the users' text alone, with test blocks of its own (``data.test_tokens``,
+    cut to ``data.max_eval_blocks``): where FedSoft's centres are scored one source at a time
+    (Tables 1, 3) when the users hold mixtures. Drawn with seeds of their own, so a document
+    may also sit in a user's training split, as documents may between users of one source."""
+    data = job.recipe.data
+    key = data.model_dump_json() + job.recipe.model.name + str(job.recipe.split_seed)
+    if key not in _SOURCES:
+        distinct = {}
+        for user in data.users:
+            for source in user.sources:
+                distinct.setdefault(source.model_dump_json(exclude={"weight"}), source)
+        budgets = {"train": data.context_length, "valid": data.context_length, "test": data.test_tokens}
+        tests = []
+        for index, source in enumerate(distinct.values()):
+            built = build_user_data(source.source, [SourceSpec(source.source, source.options(), 1.0)],
+                                    job_base_model(job).tokenizer, budgets, data.context_length,
+                                    job.recipe.split_seed + 104729 * (index + 1))
+            tests.append((source.source, built.test if data.max_eval_blocks is None
+                          else built.test[: data.max_eval_blocks]))
+        _SOURCES[key] = tests
+    return _SOURCES[key]
+
+
 def users_of_device(job: Job, device: int) -> list[int]:
     """The users whose data a device holds: all of them for the centralized upper bound."""
     return list(range(job.recipe.data.devices)) if job.method.centralized else [device]
@@ -134,9 +161,9 @@ def eval_blocks(job: Job, user: int) -> torch.Tensor:
     return test if cap is None else test[:cap]
 
 
-def build_model(job: Job, device: int, base: nn.Module | None = None) -> nn.Module:
+def build_model(job: Job, device: int, base: nn.Module | None = None, seed: int | None = None) -> nn.Module:
     """The device's model: the shared base (``base``, or the recipe's model) with this device's
-    experts (and task head) attached."""
+    experts (and task head) attached, initialised from ``seed`` (default: the recipe's)."""
     layout = job.method.layouts[device]
     base = job_base_model(job).model if base is None else base
     whole = job.method.procedure.full_finetune
@@ -147,7 +174,7 @@ def build_model(job: Job, device: int, base: nn.Module | None = None) -> nn.Modu
     if layout is None:
         return base
     heads = () if job.recipe.is_language_modelling else head_paths(base)
-    model = attach_layout(base, layout, seed=job.recipe.seed, user=device, own=heads)
+    model = attach_layout(base, layout, seed=job.recipe.seed if seed is None else seed, user=device, own=heads)
     if whole:  # FLoRAL trains the base u with its adaptors (Alg. 1 line 8)
         return model.requires_grad_(True)
     for path in heads:
@@ -212,7 +239,10 @@ def received_centres(job: Job, arrays: ArrayRecord | None) -> dict[int, Tensors]
 
 
 def initial_centre(job: Job, centre: int) -> Tensors:
-    """Centre ``centre`` as first drawn: the recipe's model built from the centre's own seed."""
+    """Centre ``centre`` as first drawn: the recipe's model built from the centre's own seed; of
+    cluster adapters, the LoRA (and head) from that seed with a random ``B`` (``lora_spread``)."""
+    if job.method.layouts[0] is not None:
+        return _initial_adapter_centre(job, centre)
     model, spec = job.recipe.model, job.recipe.task.spec()
     with torch.random.fork_rng(devices=[]):
         loaded = load_base_model(model.name, model.dtype, model.quantization, spec.num_labels,
@@ -220,6 +250,27 @@ def initial_centre(job: Job, centre: int) -> Tensors:
                                  regression=spec.is_regression, input_shape=spec.input_shape,
                                  model_options=small_model_options(model.bias))
     return dict(loaded.model.state_dict())
+
+
+def _initial_adapter_centre(job: Job, centre: int) -> Tensors:
+    seed = centre_seed(job.recipe.seed, centre)
+    model = build_model(job, 0, seed=seed)
+    generator = torch.Generator().manual_seed(seed)
+    spread = job.method.procedure.centres.lora_spread
+    tensors = {name: tensor.detach().clone() for name, tensor in trainable_state(model).items()
+               if travels(job.method, name)}
+    for name, tensor in tensors.items():
+        if name.endswith("lora_B"):
+            tensor.copy_(spread * torch.randn(tensor.shape, generator=generator))
+    return tensors
+
+
+def centre_examples(job: Job, device: int):
+    """The examples a device scores the centres on (its training examples): a language model's
+    training blocks, or a task's examples."""
+    if job.recipe.is_language_modelling:
+        return BlockExamples(device_split(job, device, "train"))
+    return federated_task(job).train[device]
 
 
 def anchor_to_centres(job: Job, device: int, trainer: DeviceTrainer, arrays: ArrayRecord | None,
@@ -233,7 +284,7 @@ def anchor_to_centres(job: Job, device: int, trainer: DeviceTrainer, arrays: Arr
     proximal term. Either way the weights travel with the update (:func:`upload`)."""
     procedure = job.method.procedure.centres
     centres = received_centres(job, arrays)
-    losses = centre_losses(copy.deepcopy(trainer.model), centres, federated_task(job).train[device])
+    losses = centre_losses(copy.deepcopy(trainer.model), centres, centre_examples(job, device))
     if procedure.assignment == "hard":
         chosen = hard_assignment(losses)
         trainer.model.load_state_dict(centres[chosen], strict=False)
@@ -253,7 +304,7 @@ def local_model_of(job: Job, device: int, model: nn.Module, centres: dict[int, T
     in ``model``), IFCA's lowest-loss centre (FedSoft §5: "the center corresponding to the
     largest importance weight as a client's local model")."""
     if job.method.procedure.centres.assignment == "hard":
-        losses = centre_losses(copy.deepcopy(model), centres, federated_task(job).train[device])
+        losses = centre_losses(copy.deepcopy(model), centres, centre_examples(job, device))
         model.load_state_dict(centres[hard_assignment(losses)], strict=False)
 
 

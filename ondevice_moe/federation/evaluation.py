@@ -98,10 +98,13 @@ def centre_key(centre: int, source: int) -> str:
 
 
 def centre_scores(job: Job, model: nn.Module, centres: dict[int, dict[str, torch.Tensor]]) -> dict[str, float]:
-    """Every centre scored on every source's held-out examples (``cluster_test``): the S × S
+    """Every centre scored on every source's held-out examples (``cluster_test``; a language
+    model's sources, :func:`_centre_perplexities`): the S × S
     table of FedSoft Tables 1 and 3, as ``user_0/centre_<s>_source_<j>`` entries (the server
     has no evaluation of its own, so device 0 scores them; they are the server's tensors and
     public held-out sets, not the device's data)."""
+    if job.recipe.is_language_modelling:
+        return _centre_perplexities(job, model, centres)
     federated = dev.federated_task(job)
     task = federated.task
     scratch = copy.deepcopy(model)
@@ -112,4 +115,19 @@ def centre_scores(job: Job, model: nn.Module, centres: dict[int, dict[str, torch
             predictions = predict(scratch, examples, job.recipe.task.eval_batch_size, task.is_regression)
             score = task_score(task.metric, predictions.numpy(), examples.labels.numpy())
             scores[f"user_0/{centre_key(centre, source)}"] = reported(task.metric, score)
+    return scores
+
+
+def _centre_perplexities(job: Job, model: nn.Module, centres: dict[int, dict[str, torch.Tensor]]
+                         ) -> dict[str, float]:
+    """Cluster adapters of a language model: every centre's test perplexity on each source of
+    the users' mixtures alone (:func:`.device.source_test_blocks`), as ``user_0/centre_<s>_source_<j>``."""
+    scratch = copy.deepcopy(model)
+    sources = dev.source_test_blocks(job)
+    scores = {}
+    for centre, tensors in sorted(centres.items()):
+        scratch.load_state_dict(tensors, strict=False)
+        for source, (_, blocks) in enumerate(sources):
+            nll = block_nll(scratch, blocks, job.recipe.data.eval_batch_size)
+            scores[f"user_0/{centre_key(centre, source)}"] = perplexity_of(nll, blocks.shape[1])
     return scores

@@ -65,12 +65,15 @@ class CentreProcedure:
     anchored to every centre by its importance weights, re-estimated every
     ``estimation_interval`` rounds with floor ``importance_floor``; ``proximal_lambda``
     is λ. ``hard`` (IFCA): the device trains the centre with the lowest loss on its data.
+    ``lora_spread``: the std of a LoRA centre's ``B`` at the start (cluster adapters on a
+    Hugging Face model; the centres must start apart).
     """
 
     assignment: Literal["soft", "hard"]
     proximal_lambda: float = 0.0
     estimation_interval: int = 1
     importance_floor: float = 0.0
+    lora_spread: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -53,19 +53,31 @@ def centre_seed(seed: int, centre: int) -> int:
 
 @torch.no_grad()
 def example_losses(model: nn.Module, examples, batch_size: int = 512) -> torch.Tensor:
-    """The loss of ``model`` on each example: squared error averaged over the outputs for a
-    regressor (``model.regression``), cross-entropy for a classifier; shape ``(n,)``."""
+    """The loss of ``model`` on each example, shape ``(n,)``: squared error averaged over the
+    outputs for a small regressor (``model.regression``), cross-entropy for a classifier, and a
+    language model's mean next-token loss over each block (a block of text is an example)."""
     model.eval()
+    device = next(model.parameters()).device
     losses = []
     for start in range(0, len(examples), batch_size):
         batch = examples.batch(torch.arange(start, min(start + batch_size, len(examples))))
-        logits = model(inputs=batch["inputs"]).logits.float()
-        labels = batch["labels"]
-        if model.regression:
-            losses.append((logits - labels.float().view_as(logits)).pow(2).flatten(1).mean(dim=1))
+        labels = batch.pop("labels").to(device)
+        logits = model(**{key: value.to(device) for key, value in batch.items()}).logits.float()
+        if labels.dim() == 2 and labels.dtype == torch.long and logits.dim() == 3:  # next-token prediction
+            losses.append(nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), labels[:, 1:],
+                                                      reduction="none").mean(dim=1).cpu())
+        elif _is_regressor(model):
+            losses.append((logits - labels.float().view_as(logits)).pow(2).flatten(1).mean(dim=1).cpu())
         else:
-            losses.append(nn.functional.cross_entropy(logits, labels.long(), reduction="none"))
+            losses.append(nn.functional.cross_entropy(logits, labels.long(), reduction="none").cpu())
     return torch.cat(losses)
+
+
+def _is_regressor(model: nn.Module) -> bool:
+    """A small model says so; a Hugging Face classifier with one output regresses."""
+    if hasattr(model, "regression"):
+        return bool(model.regression)
+    return getattr(model.config, "num_labels", 2) == 1
 
 
 def centre_losses(model: nn.Module, centres: dict[int, Tensors], examples) -> torch.Tensor:

@@ -18,7 +18,13 @@ class FedSoftSizes(BaseModel):
     importance estimate is used for (Alg. 1 line 3; §5: 2); ``importance_floor``: σ,
     the counter smoother of Alg. 1 line 10 (§5: 1e-4); ``selection_size``: K clients
     drawn per centre with probabilities v_sk (Alg. 1 line 16; §5: 60 of 100), or
-    ``None`` for full participation, ``c_s = Σ_k v_sk w_k`` (§3, after Alg. 1)."""
+    ``None`` for full participation, ``c_s = Σ_k v_sk w_k`` (§3, after Alg. 1).
+    ``lora_rank``: on a Hugging Face model, each centre and each client's own model is a LoRA
+    of this rank on every attention projection, the base frozen (cluster adapters; ``None``
+    trains and sends the whole model, as on the small models); ``centre_spread``: the std of
+    each LoRA centre's ``B`` at the start. FedSoft's code draws its centres from N(0, σ0²); a
+    zero ``B``, LoRA's usual start, would start every centre as the same model, and centres
+    averaged from the same clients would stay equal."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -27,6 +33,8 @@ class FedSoftSizes(BaseModel):
     estimation_interval: int = Field(2, ge=1)
     importance_floor: float = Field(1e-4, gt=0, lt=1)
     selection_size: int | None = Field(None, ge=1)
+    lora_rank: int | None = Field(None, ge=1)
+    centre_spread: float = Field(0.02, ge=0)
 
 
 class FedSoftOptions(FedSoftSizes, MethodOptions):

@@ -9,12 +9,16 @@
 * ``ifca`` (Ghosh et al., 2020; FedSoft's baseline): each client trains the centre
   with the lowest loss on its data and the server averages each centre over the
   clients that chose it; a client's local model is that centre (§5).
-* FedAvg is ``fed-ft``. FedEM is not built (see ``docs/fedsoft.md``).
+* On a Hugging Face model with ``lora_rank``, the models are cluster adapters: a LoRA on
+  every attention projection, the base frozen (issue: S LoRA centres on SmolLM2, each user's
+  text a mixture of two domains).
+* FedAvg is ``fed-ft`` (or ``fed-lora`` on a Hugging Face model). FedEM is not built (see ``docs/fedsoft.md``).
 """
 
 from __future__ import annotations
 
 from ondevice_moe.errors import UserError
+from ondevice_moe.layout import ExpertSizes, Layout
 from ondevice_moe.methods.base import CentreProcedure, Method, MethodContext, Procedure, Sharing, same_for_all
 from ondevice_moe.methods.fedsoft.config import FedSoftOptions
 from ondevice_moe.methods.fedsoft.rule import CentreRule
@@ -39,12 +43,23 @@ def _selection(options: FedSoftOptions, context: MethodContext) -> int | None:
     return options.selection_size
 
 
+def _layout(options: FedSoftOptions) -> Layout | None:
+    """The cluster adapters of a Hugging Face model (a LoRA on every attention projection, the
+    role ``shared``: it travels), or ``None``: the whole model is the client's and the centres'."""
+    if options.lora_rank is None:
+        return None
+    return Layout(attention_lora="shared", sizes=ExpertSizes(lora_rank=options.lora_rank,
+                                                             lora_alpha=2.0 * options.lora_rank, rank_stabilised=False))
+
+
 def fedsoft(options: FedSoftOptions, context: MethodContext) -> Method:
     """FedSoft: proximal local updates from each client's own model, S soft-clustered centres."""
     clusters = _clusters(options, context)
-    centres = CentreProcedure("soft", options.proximal_lambda, options.estimation_interval, options.importance_floor)
-    return Method("fedsoft", same_for_all(context.num_users, None),
-                  procedure=Procedure(full_finetune=True, centres=centres),
+    centres = CentreProcedure("soft", options.proximal_lambda, options.estimation_interval, options.importance_floor,
+                              options.centre_spread)
+    layout = _layout(options)
+    return Method("fedsoft", same_for_all(context.num_users, layout),
+                  procedure=Procedure(full_finetune=layout is None, centres=centres),
                   server_rule=CentreRule(clusters=clusters, selection_size=_selection(options, context),
                                          seed=context.seed),
                   sharing=Sharing(devices_keep_models=True))
@@ -53,6 +68,8 @@ def fedsoft(options: FedSoftOptions, context: MethodContext) -> Method:
 def ifca(options: FedSoftOptions, context: MethodContext) -> Method:
     """IFCA: each client trains its lowest-loss centre; centres are averaged over their clients by n_k."""
     clusters = _clusters(options, context)
-    return Method("ifca", same_for_all(context.num_users, None),
-                  procedure=Procedure(full_finetune=True, centres=CentreProcedure("hard")),
+    layout = _layout(options)
+    return Method("ifca", same_for_all(context.num_users, layout),
+                  procedure=Procedure(full_finetune=layout is None,
+                                      centres=CentreProcedure("hard", lora_spread=options.centre_spread)),
                   server_rule=CentreRule(clusters=clusters, seed=context.seed))
