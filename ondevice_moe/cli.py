@@ -129,15 +129,19 @@ def export(
     private: Annotated[bool, typer.Option("--private", help="Create the Hub repo as private.")] = False,
     force: Annotated[bool, typer.Option("--force", help="Overwrite an earlier export in --to.")] = False,
     device: Annotated[Device | None, typer.Option(help=DEVICE_HELP + " Default: the run's recipe.")] = None,
+    centre: Annotated[int | None, typer.Option(
+        help="FedSoft / IFCA: export the server's cluster centre CENTRE (e.g. for a new user) in place of "
+             "the user's own shared tensors.")] = None,
 ) -> None:
     """Export one user's trained model: PEFT adapters, the toolkit's format, a model card."""
     from ondevice_moe.export import export_user
 
     try:
-        result = export_user(run, method, user, to, experts, format_, force, push_to_hub, private, device)
+        result = export_user(run, method, user, to, experts, format_, force, push_to_hub, private, device, centre)
     except UserError as error:
         _fail(error)
-    console.print(f"exported {', '.join(result.parts)} of {escape(method)} for {escape(user)} to {result.folder}")
+    whose = f"centre {centre} (through {escape(user)}'s model)" if centre is not None else escape(user)
+    console.print(f"exported {', '.join(result.parts)} of {escape(method)} for {whose} to {result.folder}")
     for folder in result.peft_folders:
         console.print(f"PEFT adapter: {folder}")
     if result.url:

@@ -3,10 +3,16 @@ start apart, per-block losses for the importance estimate, sources scored one at
 
 from pathlib import Path
 
+import copy
+
+import pytest
 import torch
 from flwr.app import RecordDict
+from peft import PeftModel
 
 from ondevice_moe import runner
+from ondevice_moe.errors import UserError
+from ondevice_moe.export import export_user
 from ondevice_moe.federation import device as dev
 from ondevice_moe.federation.job import Job
 from ondevice_moe.methods.fedsoft.centres import example_losses
@@ -53,7 +59,7 @@ def test_a_round_anchors_the_clients_lora_to_both_centres_and_sends_the_lora_wit
     assert records["mixture"]["pi"] == weights
 
 
-def test_each_source_of_the_mixtures_is_scored_alone_and_every_centre_on_each(tmp_path):
+def test_each_source_is_scored_alone_by_every_centre_and_a_centre_exports_as_a_peft_adapter(tmp_path):
     result = runner.run_recipe(load_recipe(TINY, ["methods=[fedsoft]"]), tmp_path / "run")
     sources = dev.source_test_blocks(_job(tmp_path))
     assert [name for name, _ in sources] == ["python-code", "bbc-news"]
@@ -68,3 +74,21 @@ def test_each_source_of_the_mixtures_is_scored_alone_and_every_centre_on_each(tm
         values = [float(cell.strip("*")) for cell in cells]
         assert cells[values.index(min(values))].startswith("**"), row
     assert len(rows) == 2
+
+    # The centres are the server's: kept after the last round, and exported as a plain PEFT adapter.
+    job = next(j for j in runner.finished_jobs(tmp_path / "run")[1] if j.method.name == "fedsoft")
+    result = export_user(tmp_path / "run", "fedsoft", "news-90", tmp_path / "centre-0", fmt="peft", centre=0)
+    [folder] = result.peft_folders
+    model = dev.build_model(job, 1)
+    dev.load_centre(job, 0, model)
+    ids = torch.randint(3, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = model.eval()(input_ids=ids).logits
+        base = copy.deepcopy(dev.job_base_model(job).model)
+        got = PeftModel.from_pretrained(base, folder).eval()(input_ids=ids).logits
+        own = dev.build_model(job, 1)
+        dev.load_checkpoint(job, 1, own)
+        assert not torch.allclose(own.eval()(input_ids=ids).logits, expected, atol=1e-4), "a centre, not the user's"
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    with pytest.raises(UserError, match="never formed"):
+        dev.load_centre(job, 5, model)

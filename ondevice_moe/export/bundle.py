@@ -40,11 +40,13 @@ class ExportResult:
 
 def export_user(run_dir: Path, method: str, user: str, to: Path, experts: list[str] | None = None,
                 fmt: str = "both", force: bool = False, push_to: str | None = None, private: bool = False,
-                device: str | None = None) -> ExportResult:
+                device: str | None = None, centre: int | None = None) -> ExportResult:
     """Export ``user``'s model of ``method`` from ``run_dir`` into ``to`` (see the module docstring).
 
     ``experts``: ``["shared"]`` (default), ``["all"]`` or expert names; ``device`` overrides
-    the recipe's ``model.device``. Bad input is a :class:`UserError` before anything is written.
+    the recipe's ``model.device``; ``centre``: FedSoft's or IFCA's cluster centre ``centre`` (the
+    server's) in place of the user's shared tensors — for a new user, the centre that fits it
+    (FedSoft §5). Bad input is a :class:`UserError` before anything is written.
     """
     if fmt not in FORMATS:
         raise UserError(f"unknown format '{fmt}'", f"use one of: {', '.join(FORMATS)}")
@@ -52,6 +54,10 @@ def export_user(run_dir: Path, method: str, user: str, to: Path, experts: list[s
         check_online(push_to)
     _check_target(Path(to), force)
     user_model = open_user_model(Path(run_dir), method, user, device)
+    if centre is not None:
+        from ondevice_moe.federation.device import load_centre
+
+        load_centre(user_model.job, centre, user_model.model)
     parts = model_parts(user_model)
     selected = select_parts(parts, experts or ["shared"])
     if fmt == "peft":

@@ -440,6 +440,36 @@ def save_checkpoint(job: Job, device: int, model: nn.Module) -> None:
     save_file({name: tensor.contiguous() for name, tensor in trainable_state(model).items()}, str(path))
 
 
+def server_checkpoint_path(job: Job):
+    return job.run_dir / "checkpoints" / job.method.name / "server.safetensors"
+
+
+def save_server_checkpoint(job: Job, tensors: dict[str, torch.Tensor]) -> None:
+    """Write what the server holds after the last round and no device does (FedSoft's centres)."""
+    from safetensors.torch import save_file
+
+    path = server_checkpoint_path(job)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({name: tensor.detach().contiguous().cpu() for name, tensor in tensors.items()}, str(path))
+
+
+def load_centre(job: Job, centre: int, model: nn.Module) -> None:
+    """Load cluster centre ``centre`` of a finished FedSoft or IFCA run into ``model``; a method
+    without centres, a centre the server never formed or a missing file ends with a clear message."""
+    from safetensors.torch import load_file
+
+    if job.method.procedure.centres is None:
+        raise UserError(f"method '{job.method.name}' has no cluster centres", "export a fedsoft or ifca method")
+    path = server_checkpoint_path(job)
+    if not path.is_file():
+        raise UserError(f"no centres for method '{job.method.name}': {path} is missing",
+                        "rerun the recipe with this version of ondevice-moe (earlier runs did not keep the centres)")
+    centres = split_centres(load_file(str(path)))
+    if centre not in centres:
+        raise UserError(f"centre {centre} was never formed in this run", f"use one of: {sorted(centres)}")
+    model.load_state_dict(centres[centre], strict=False)
+
+
 def load_checkpoint(job: Job, device: int, model: nn.Module) -> None:
     """Load a device's checkpoint; a missing or corrupt file ends with a clear message."""
     from safetensors import SafetensorError

@@ -55,6 +55,11 @@ class ServerRule:
     def weights(self) -> Weighting:
         return example_weighting(self.weighting)
 
+    def final_state(self, slots: Slots) -> dict[str, torch.Tensor]:
+        """What the server holds after the last round that no device's checkpoint does (FedSoft's
+        centres); here nothing: every device holds the global tensors."""
+        return {}
+
     def aggregate(self, slots: Slots, updates: list[Update]) -> Slots:
         """Fold a round's sound updates into the slots."""
         if not any(update.tensors for update in updates):

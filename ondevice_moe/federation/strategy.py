@@ -42,6 +42,7 @@ from flwr.supercore import log as flwr_log
 
 from ondevice_moe.errors import UserError
 from ondevice_moe.federation.aggregation import Update, check_update
+from ondevice_moe.federation.device import save_server_checkpoint
 from ondevice_moe.federation.evaluation import user_values
 from ondevice_moe.federation.job import Job
 from ondevice_moe.federation.privacy import noise_std
@@ -303,6 +304,9 @@ class SlotStrategy(Strategy):
             return []
         self.slots = unpack_slots(arrays, self.rule.initial_slots())
         final = server_round == self.total_rounds
+        kept = self.rule.final_state(self.slots) if final else {}
+        if kept:
+            save_server_checkpoint(self.job, kept)
         return (self._message(device, MessageType.EVALUATE, server_round, final) for device in self.nodes)
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:

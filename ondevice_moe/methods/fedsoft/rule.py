@@ -74,6 +74,10 @@ class CentreRule(ServerRule):
         return {centre_key(s, name): tensor for s in range(self.clusters)
                 for name, tensor in slots[cluster_slot(s)].items()}
 
+    def final_state(self, slots: Slots) -> dict[str, torch.Tensor]:
+        """The centres, as they are sent (``cluster_<s>/<name>``): no device keeps them."""
+        return self.message_for(slots, 0)
+
     def reference(self, slots: Slots, device: int) -> dict[str, torch.Tensor]:
         """A client uploads its whole model, shaped like every centre."""
         return slots[cluster_slot(0)]
