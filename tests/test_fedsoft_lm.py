@@ -1,9 +1,8 @@
 """FedSoft's cluster adapters on a language model (FedSoft §3–4 with LoRA centres): centres that
 start apart, per-block losses for the importance estimate, sources scored one at a time."""
 
-from pathlib import Path
-
 import copy
+from pathlib import Path
 
 import pytest
 import torch
