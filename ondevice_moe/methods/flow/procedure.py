@@ -81,8 +81,7 @@ def flow_round(trainer: DeviceTrainer, examples, batch_size: int, seed: int) -> 
     router = instance_policy(trainer.model)
     restart_local_copies(router.pairs)
     local_rows, global_rows = split_halves(len(examples), procedure.local_fraction, seed)
-    global_ids = _parameter_ids(global_copy for global_copy, _ in router.pairs)
-    local_ids = _parameter_ids(local_copy for _, local_copy in router.pairs)
+    global_ids, local_ids = _copy_ids(router)
     router.path = "local"
     local_losses = [trainer.expert_step(batch, idle=global_ids)
                     for epoch in range(procedure.local_epochs)
@@ -169,7 +168,12 @@ def _personal_model_start(trainer: DeviceTrainer) -> tuple[InstancePolicyRouter,
     router = instance_policy(trainer.model)
     if trainer.iteration == 0:
         restart_local_copies(router.pairs)
-    return (router, _parameter_ids(global_copy for global_copy, _ in router.pairs),
+    return (router, *_copy_ids(router))
+
+
+def _copy_ids(router: InstancePolicyRouter) -> tuple[frozenset[int], frozenset[int]]:
+    """The ids of the global copies' parameters and of the local copies'."""
+    return (_parameter_ids(global_copy for global_copy, _ in router.pairs),
             _parameter_ids(local_copy for _, local_copy in router.pairs))
 
 
