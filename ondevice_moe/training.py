@@ -1,5 +1,5 @@
 """A device's local procedure: expert steps on the training split, router steps
-on the validation split (CoMiGS Alg. 1), and the per-block likelihoods behind test perplexity.
+on the validation split (CoMiGS Alg. 1), and a classifier's predictions.
 
 These are plain functions over a model with experts attached; the Flower
 client calls them, and unit tests call them directly.
@@ -21,6 +21,7 @@ from ondevice_moe.layout import hermes_routers, routing_sites, total_balance_los
 from ondevice_moe.methods import Method
 from ondevice_moe.methods.fedsoft.centres import ProximalAnchors
 from ondevice_moe.mixture import mixtures
+from ondevice_moe.models.devices import model_device
 from ondevice_moe.routing import ClientRouter, client_mixture
 from ondevice_moe.routing.hermes import counting_real_tokens
 from ondevice_moe.routing.instance_policy import instance_policy, policy_regulariser
@@ -260,11 +261,6 @@ def cosine_to_tenth(step: int, total: int) -> float:
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def model_device(model: nn.Module) -> torch.device:
-    """The device the model's (first) parameters live on."""
-    return next(model.parameters()).device
-
-
 def to_device(batch: Batch, device: torch.device) -> Batch:
     return {key: value.to(device) for key, value in batch.items()}
 
@@ -279,37 +275,6 @@ def trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
     state = {name: param.detach() for name, param in model.named_parameters() if param.requires_grad}
     state.update({name: buffer for name, buffer in model.named_buffers() if _is_router(name)})
     return state
-
-
-@torch.no_grad()
-def block_nll(model: nn.Module, blocks: torch.Tensor, batch_size: int) -> torch.Tensor:
-    """Summed next-token negative log-likelihood of each block, shape ``(num_blocks,)``."""
-    model.eval()
-    device = model_device(model)
-    sums = []
-    for start in range(0, blocks.shape[0], batch_size):
-        batch = blocks[start : start + batch_size].to(device)
-        logits = model(input_ids=batch).logits[:, :-1].float()
-        nll = nn.functional.cross_entropy(logits.transpose(1, 2), batch[:, 1:], reduction="none")
-        sums.append(nll.sum(dim=1).cpu())
-    return torch.cat(sums)
-
-
-def perplexity_of(nll: torch.Tensor, context_length: int) -> float:
-    """exp(mean NLL per predicted token) of blocks whose summed NLLs are ``nll``."""
-    return math.exp(float(nll.sum()) / (nll.numel() * (context_length - 1)))
-
-
-def nll_standard_error(nll: torch.Tensor, context_length: int) -> float | None:
-    """Standard error of the mean per-token NLL, over the blocks (their per-token means);
-    ``None`` for fewer than two blocks.
-
-    A relative perplexity difference δ is a NLL difference of about δ, so a
-    1 % perplexity gap is resolved when this is well under 0.01."""
-    if nll.numel() < 2:
-        return None
-    per_token = nll.double() / (context_length - 1)
-    return float(per_token.std() / math.sqrt(nll.numel()))
 
 
 @torch.no_grad()

@@ -178,7 +178,7 @@ def test_tr_ablation_alternates_router_steps_on_training_batches(name):
 
 
 def test_nll_standard_error_is_the_spread_of_block_means_over_root_n():
-    from ondevice_moe.training import nll_standard_error
+    from ondevice_moe.likelihood import nll_standard_error
 
     per_token = torch.tensor([2.0, 2.2, 1.8, 2.4], dtype=torch.float64)
     summed = per_token * 31  # blocks of 32 tokens: 31 predicted tokens each

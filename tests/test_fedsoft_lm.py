@@ -14,9 +14,9 @@ from ondevice_moe.errors import UserError
 from ondevice_moe.export import export_user
 from ondevice_moe.federation import device as dev
 from ondevice_moe.federation.job import Job
+from ondevice_moe.likelihood import block_nll
 from ondevice_moe.methods.fedsoft.centres import example_losses
 from ondevice_moe.recipe import load_recipe
-from ondevice_moe.training import block_nll
 
 TINY = Path(__file__).parent / "recipes" / "tiny-fedsoft-lm.yaml"
 

@@ -127,3 +127,16 @@ def _encoder(tokenizer):
         return tokenizer(text, add_special_tokens=False)["input_ids"]
 
     return encode
+
+
+@dataclass(frozen=True)
+class BlockExamples:
+    """A language model's training blocks as examples: each block is its own target."""
+
+    blocks: torch.Tensor
+
+    def __len__(self) -> int:
+        return int(self.blocks.shape[0])
+
+    def batch(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.blocks[rows], "labels": self.blocks[rows]}

@@ -19,9 +19,9 @@ import torch
 from torch import nn
 
 from ondevice_moe.experts import LoRA
+from ondevice_moe.likelihood import block_nll, perplexity_of
 from ondevice_moe.mixture import mixtures
 from ondevice_moe.routing import UniformRouter
-from ondevice_moe.training import block_nll, perplexity_of
 
 GAP_BLOCKS = 8  # test blocks the gap is measured on at export time
 

@@ -15,7 +15,7 @@ from torch import nn
 
 from ondevice_moe.data.classification import FederatedTask, build_federated_task
 from ondevice_moe.data.small import SmallFederatedTask, build_small_task
-from ondevice_moe.data.splits import SourceSpec, UserData, build_user_data
+from ondevice_moe.data.splits import BlockExamples, SourceSpec, UserData, build_user_data
 from ondevice_moe.errors import UserError
 from ondevice_moe.federation import device_state
 from ondevice_moe.federation.job import Job
@@ -32,7 +32,7 @@ from ondevice_moe.methods.fedsoft.centres import (
     importance_weights,
     split_centres,
 )
-from ondevice_moe.methods.flow.procedure import BlockExamples, flow_round
+from ondevice_moe.methods.flow.procedure import flow_round
 from ondevice_moe.models import LoadedModel, load_base_model
 from ondevice_moe.models.checkpointing import enable_activation_checkpointing
 from ondevice_moe.routing import client_mixture

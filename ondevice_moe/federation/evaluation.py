@@ -15,10 +15,11 @@ from torch import nn
 
 from ondevice_moe.federation import device as dev
 from ondevice_moe.federation.job import Job
+from ondevice_moe.likelihood import block_nll, nll_standard_error, perplexity_of
 from ondevice_moe.methods.flow.metrics import flow_scores, on_both_paths
 from ondevice_moe.metrics import LOWER_IS_BETTER, task_score
 from ondevice_moe.routing.fusion import FUSION_BLOCKS, fit_fusion
-from ondevice_moe.training import block_nll, nll_standard_error, perplexity_of, predict
+from ondevice_moe.training import predict
 
 
 def evaluate_device(job: Job, device: int, model: nn.Module) -> dict[str, float]:

@@ -30,6 +30,7 @@ from torch import nn
 
 from ondevice_moe.federation.aggregation import Update
 from ondevice_moe.federation.rules import ServerRule, Slots
+from ondevice_moe.likelihood import block_nll, perplexity_of
 
 PEER_PREFIX = "peer_"
 
@@ -92,8 +93,6 @@ def mix_peers(model: nn.Module, peers: dict[int, dict[str, torch.Tensor]], valid
               batch_size: int) -> dict[int, float]:
     """Load ``Σ_j w_j θ_j`` into ``model``, ``w`` the trust weights of the peers' models on
     ``valid_blocks``; returns ``{j: w_j}``."""
-    from ondevice_moe.training import block_nll, perplexity_of  # training imports the methods, which import this
-
     order = sorted(peers)
     context_length = valid_blocks.shape[1]
     perplexities = []

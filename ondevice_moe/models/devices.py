@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
+from torch import nn
 
 from ondevice_moe.errors import UserError
 
@@ -26,4 +27,9 @@ def resolve_device(name: str | torch.device) -> torch.device:
     return torch.device(name)
 
 
-__all__ = ["DEVICE_NAMES", "DeviceName", "resolve_device"]
+def model_device(model: nn.Module) -> torch.device:
+    """The device the model's (first) parameters live on."""
+    return next(model.parameters()).device
+
+
+__all__ = ["DEVICE_NAMES", "DeviceName", "model_device", "resolve_device"]

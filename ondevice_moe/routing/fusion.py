@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ondevice_moe.errors import UserError
+from ondevice_moe.likelihood import block_nll
 from ondevice_moe.mixture import MixtureMLP, mixtures
 from ondevice_moe.routing.routers import ClientRouter
 
@@ -41,8 +42,6 @@ def set_fusion(model: nn.Module, first_weight: float) -> None:
 def fit_fusion(model: nn.Module, blocks: torch.Tensor, batch_size: int) -> float:
     """Set and return the weight of each site's first expert (the layout's first: the
     global module) that gives the lowest NLL on ``blocks``; ties go to the smaller weight."""
-    from ondevice_moe.training import block_nll
-
     sites = client_level_sites(model)
     if not sites or any(len(site.experts) != 2 for site in sites):
         raise UserError("adaptive fusion needs two experts under a client-level router at every MLP",

@@ -21,6 +21,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ondevice_moe.data.splits import BlockExamples
+from ondevice_moe.likelihood import block_nll
+from ondevice_moe.models.devices import model_device
+
 Tensors = dict[str, torch.Tensor]
 CLUSTER_PREFIX = "cluster_"
 
@@ -56,17 +60,16 @@ def example_losses(model: nn.Module, examples, batch_size: int = 512) -> torch.T
     """The loss of ``model`` on each example, shape ``(n,)``: squared error averaged over the
     outputs for a small regressor (``model.regression``), cross-entropy for a classifier, and a
     language model's mean next-token loss over each block (a block of text is an example)."""
+    if isinstance(examples, BlockExamples):
+        return block_nll(model, examples.blocks, batch_size) / (examples.blocks.shape[1] - 1)
     model.eval()
-    device = next(model.parameters()).device
+    device = model_device(model)
     losses = []
     for start in range(0, len(examples), batch_size):
         batch = examples.batch(torch.arange(start, min(start + batch_size, len(examples))))
         labels = batch.pop("labels").to(device)
         logits = model(**{key: value.to(device) for key, value in batch.items()}).logits.float()
-        if labels.dim() == 2 and labels.dtype == torch.long and logits.dim() == 3:  # next-token prediction
-            losses.append(nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), labels[:, 1:],
-                                                      reduction="none").mean(dim=1).cpu())
-        elif _is_regressor(model):
+        if _is_regressor(model):
             losses.append((logits - labels.float().view_as(logits)).pow(2).flatten(1).mean(dim=1).cpu())
         else:
             losses.append(nn.functional.cross_entropy(logits, labels.long(), reduction="none").cpu())

@@ -40,19 +40,6 @@ class ExampleRows:
         return self.examples.batch(self.rows[rows])
 
 
-@dataclass(frozen=True)
-class BlockExamples:
-    """A language model's training blocks as examples: each block is its own target."""
-
-    blocks: torch.Tensor
-
-    def __len__(self) -> int:
-        return int(self.blocks.shape[0])
-
-    def batch(self, rows: torch.Tensor) -> Batch:
-        return {"input_ids": self.blocks[rows], "labels": self.blocks[rows]}
-
-
 def split_halves(count: int, local_fraction: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Disjoint rows ``(ζ_ℓ, ζ_g)`` covering ``range(count)``, ``local_fraction`` of them in ζ_ℓ
     (Alg. 1 line 6), seeded; each half holds at least one row when ``count ≥ 2``."""
