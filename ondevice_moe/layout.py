@@ -171,7 +171,8 @@ class RouterSpec:
     whole device, set by the method (FDLoRA); ``client-mixture``: FLoRAL's learned
     ``π = softmax(θ)`` for the whole device, or the one-hot ``π*`` on expert ``optimal``;
     ``instance-policy``: Flow's ψ (eq. 2), ``policy_hidden`` units per base layer, and with
-    ``interpolation`` APFL's private α starting there.
+    ``interpolation`` APFL's private α starting there; ``noise``: the uniform noise a
+    ``client-mixture`` router adds to θ in training (the FLoRAL authors' code; 0 is Alg. 1).
     """
 
     kind: RouterKind = "token-topk"
@@ -186,6 +187,7 @@ class RouterSpec:
     optimal: int | None = None
     policy_hidden: int = 64
     interpolation: float | None = None
+    noise: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -472,10 +474,11 @@ def _attach_client_mixture(model: nn.Module, layout: Layout, builder: _ExpertBui
     task head ``own``) or a whole copy of the network (``ensemble``)."""
     names = layout.expert_names
     spec = layout.router
-    router = ClientMixtureRouter(len(names), spec.optimal) if spec.kind == "client-mixture" else None
+    router = ClientMixtureRouter(len(names), spec.optimal, spec.noise) if spec.kind == "client-mixture" else None
     gates = [router.gate(i) if router is not None else _always_on for i in range(len(names))]
     if router is not None:
         model.router = router
+        model.register_forward_pre_hook(router.resample)
     if layout.mixing == "ensemble":
         net = getattr(model, "net", None)
         if not isinstance(net, nn.Module) or hasattr(model, "config"):

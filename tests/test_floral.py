@@ -1,5 +1,6 @@
 """FLoRAL: adaptors on every layer, the client mixture, preconditioning, π·N aggregation, and a run."""
 
+import copy
 import json
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from ondevice_moe.methods.floral.rule import MixtureRule
 from ondevice_moe.methods.registry import method_for
 from ondevice_moe.models.small import small_model
 from ondevice_moe.recipe import load_recipe, validate_recipe
+from ondevice_moe.routing import client_mixture
 from ondevice_moe.training import DeviceTrainer, TrainingConfig
 
 TINY_FLORAL = Path(__file__).parent / "recipes" / "tiny-floral.yaml"
@@ -209,6 +211,46 @@ def test_theta_trains_at_its_own_rate_when_given_one(router_lr):
     assert gradient.abs().sum() > 0
     trainer.expert_step(batch)
     torch.testing.assert_close(theta.detach(), -(router_lr or 0.01) * gradient, atol=1e-6, rtol=1e-4)
+
+
+def test_router_noise_is_drawn_once_per_training_pass_as_the_authors_code():
+    method = method_for("floral", 2, clusters=2, router_noise=1.0)
+    assert method.name == "floral-1pct-noise1"
+    model = attach_layout(small_model("mlp", (6,), 3, hidden=(5,)), method.layouts[0], seed=0)
+    with torch.no_grad():
+        model.router.theta.copy_(torch.tensor([0.3, -0.2]))
+        for name, module in model.named_modules():
+            if name.endswith("shared_0") or name.endswith("shared_1"):
+                _perturb(module)
+    x = torch.randn(4, 6, generator=_generator())
+    model.train()
+    torch.manual_seed(0)
+    noisy = model(inputs=x).logits
+    drawn = model.router.drawn.clone()
+    assert drawn.min() >= 0 and drawn.max() < 1 and drawn.abs().sum() > 0
+    assert client_mixture(model) == pytest.approx(torch.softmax(torch.tensor([0.3, -0.2]), 0).tolist())
+    model(inputs=x)
+    assert not torch.equal(model.router.drawn, drawn), "a new pass draws new noise"
+    model.eval()
+    clean = model(inputs=x).logits
+    assert torch.equal(model.router.drawn, torch.zeros(2))
+    with torch.no_grad():
+        model.router.theta.add_(drawn)
+    torch.testing.assert_close(model(inputs=x).logits, noisy)  # every layer read the one draw
+    assert not torch.allclose(clean, noisy)
+    twin = copy.deepcopy(model).train()
+    before = model.router.drawn.clone()
+    twin(inputs=x)
+    assert twin.router.drawn.abs().sum() > 0 and torch.equal(model.router.drawn, before)
+
+
+def test_without_noise_theta_is_read_as_it_is_in_training():
+    model = attach_layout(small_model("mlp", (6,), 3, hidden=(5,)), method_for("floral", 2, clusters=2).layouts[0],
+                          seed=0)
+    model.train()
+    model(inputs=torch.randn(4, 6, generator=_generator()))
+    assert torch.equal(model.router.drawn, torch.zeros(2))
+    assert model.router.mixture().tolist() == [0.5, 0.5]
 
 
 def test_floral_without_clusters_says_how_to_set_them():

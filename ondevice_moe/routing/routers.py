@@ -129,22 +129,43 @@ class ClientMixtureRouter(nn.Module):
     ``floral/model/router.py``).
 
     ``optimal`` (an expert index) fixes π to that one-hot vector instead: the
-    "π*" rows of Tables 1 and 3, the client's ground-truth cluster. The authors'
-    code adds uniform noise to θ while training and floors each π_c at 0.01; the
-    paper's Alg. 1 does neither, and neither do we.
+    "π*" rows of Tables 1 and 3, the client's ground-truth cluster.
+
+    ``noise``: the paper's Alg. 1 trains θ as it is (``noise = 0``). The authors' code
+    (``Router.moe``, ``router_noise_std: 1.0`` in every config) adds uniform noise
+    ``noise · U[0, 1)^C`` to θ in training, drawn once per forward pass of the model
+    (:meth:`resample`): with θ = 0 and the experts alike, it breaks the tie between them.
+    Evaluation always reads ``softmax(θ)``.
     """
 
-    def __init__(self, num_experts: int, optimal: int | None = None) -> None:
+    def __init__(self, num_experts: int, optimal: int | None = None, noise: float = 0.0) -> None:
         super().__init__()
+        if noise < 0:
+            raise ValueError(f"router noise must be non-negative, got {noise}")
+        self.noise = noise
         if optimal is None:
             self.theta = nn.Parameter(torch.zeros(num_experts))
+            self.register_buffer("drawn", torch.zeros(num_experts), persistent=False)
         else:
             if not 0 <= optimal < num_experts:
                 raise ValueError(f"optimal expert {optimal} is not one of {num_experts}")
             self.register_buffer("fixed", nn.functional.one_hot(torch.tensor(optimal), num_experts).float())
 
+    def resample(self, _model: nn.Module | None = None, _inputs: tuple = ()) -> None:
+        """Draw this forward pass's noise (a training pass of a learned, noisy θ), or clear it;
+        a forward pre-hook of the model (hence the unused hook arguments)."""
+        if hasattr(self, "theta"):
+            noisy = self.training and self.noise > 0
+            self.drawn = self.noise * torch.rand_like(self.theta.detach()) if noisy else torch.zeros_like(self.drawn)
+
     def mixture(self) -> torch.Tensor:
-        """``π``, shape ``(C,)``."""
+        """``π``, shape ``(C,)``: ``softmax(θ + noise)`` in a noisy training pass, else ``softmax(θ)``."""
+        if hasattr(self, "fixed"):
+            return self.fixed
+        return torch.softmax(self.theta + self.drawn if self.training else self.theta, dim=0)
+
+    def probabilities(self) -> torch.Tensor:
+        """The learned ``softmax(θ)`` (or π*), without this pass's noise: what the device reports."""
         return self.fixed if hasattr(self, "fixed") else torch.softmax(self.theta, dim=0)
 
     def gate(self, index: int) -> Callable[[], torch.Tensor]:
@@ -157,4 +178,4 @@ def client_mixture(model: nn.Module) -> list[float] | None:
     router = getattr(model, "router", None)
     if not isinstance(router, ClientMixtureRouter):
         return None
-    return [float(p) for p in router.mixture().detach()]
+    return [float(p) for p in router.probabilities().detach()]

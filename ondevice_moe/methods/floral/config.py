@@ -39,9 +39,12 @@ class FLoRALSizes(BaseModel):
 
 class FLoRALOptions(FLoRALSizes, MethodOptions):
     """FLoRAL and Ensemble: ``optimal_routing`` fixes each client's π to its ground-truth
-    cluster (the π* rows of Tables 1 and 3) instead of learning θ."""
+    cluster (the π* rows of Tables 1 and 3) instead of learning θ; ``router_noise``: the
+    uniform noise ``U[0, router_noise)`` added to θ in each training pass, as the authors'
+    code does (``router_noise_std: 1.0``); the paper's Alg. 1 has none (the default)."""
 
     optimal_routing: bool = False
+    router_noise: float = Field(0.0, ge=0)
 
 
 class LocalAdaptorOptions(FLoRALSizes, MethodOptions):

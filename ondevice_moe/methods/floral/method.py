@@ -40,12 +40,15 @@ def _routers(options: FLoRALOptions, context: MethodContext, clusters: int) -> l
     if options.optimal_routing and context.clusters is None:
         raise UserError("optimal routing (π*) needs a task with ground-truth clusters",
                         "drop optimal_routing, or use a clustered task (floral-*, digits-rotate, ...)")
-    return [RouterSpec("client-mixture", optimal=device % clusters if options.optimal_routing else None)
+    return [RouterSpec("client-mixture", optimal=device % clusters if options.optimal_routing else None,
+                       noise=options.router_noise)
             for device in range(context.num_users)]
 
 
 def _suffix(options: FLoRALOptions) -> str:
-    return "-optimal" if options.optimal_routing else ""
+    if options.optimal_routing:
+        return "-optimal"
+    return f"-noise{options.router_noise:g}" if options.router_noise > 0 else ""
 
 
 def floral(options: FLoRALOptions, context: MethodContext) -> Method:
