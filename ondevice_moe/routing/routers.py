@@ -143,9 +143,9 @@ class ClientMixtureRouter(nn.Module):
         if noise < 0:
             raise ValueError(f"router noise must be non-negative, got {noise}")
         self.noise = noise
+        self.drawn: torch.Tensor | None = None  # this pass's noise: no buffer, it is never kept or sent
         if optimal is None:
             self.theta = nn.Parameter(torch.zeros(num_experts))
-            self.register_buffer("drawn", torch.zeros(num_experts), persistent=False)
         else:
             if not 0 <= optimal < num_experts:
                 raise ValueError(f"optimal expert {optimal} is not one of {num_experts}")
@@ -154,15 +154,15 @@ class ClientMixtureRouter(nn.Module):
     def resample(self, _model: nn.Module | None = None, _inputs: tuple = ()) -> None:
         """Draw this forward pass's noise (a training pass of a learned, noisy θ), or clear it;
         a forward pre-hook of the model (hence the unused hook arguments)."""
-        if hasattr(self, "theta"):
-            noisy = self.training and self.noise > 0
-            self.drawn = self.noise * torch.rand_like(self.theta.detach()) if noisy else torch.zeros_like(self.drawn)
+        noisy = self.training and self.noise > 0 and hasattr(self, "theta")
+        self.drawn = self.noise * torch.rand_like(self.theta.detach()) if noisy else None
 
     def mixture(self) -> torch.Tensor:
         """``π``, shape ``(C,)``: ``softmax(θ + noise)`` in a noisy training pass, else ``softmax(θ)``."""
         if hasattr(self, "fixed"):
             return self.fixed
-        return torch.softmax(self.theta + self.drawn if self.training else self.theta, dim=0)
+        noisy = self.training and self.drawn is not None
+        return torch.softmax(self.theta + self.drawn if noisy else self.theta, dim=0)
 
     def probabilities(self) -> torch.Tensor:
         """The learned ``softmax(θ)`` (or π*), without this pass's noise: what the device reports."""
