@@ -275,6 +275,11 @@ def expert_generator(seed: int, *parts: object) -> torch.Generator:
     return torch.Generator().manual_seed(zlib.crc32(key.encode()))
 
 
+def _under(name: str, paths: tuple[str, ...]) -> bool:
+    """Whether the module or parameter ``name`` is one of ``paths`` or inside one."""
+    return any(name == path or name.startswith(path + ".") for path in paths)
+
+
 def frozen_copy(base_model: nn.Module, own: tuple[str, ...] = ()) -> nn.Module:
     """A structural copy of ``base_model`` that shares its frozen weights.
 
@@ -285,7 +290,7 @@ def frozen_copy(base_model: nn.Module, own: tuple[str, ...] = ()) -> nn.Module:
     shared: dict[int, object] = {
         id(tensor): tensor
         for name, tensor in (*base_model.named_parameters(), *base_model.named_buffers())
-        if not any(name == path or name.startswith(path + ".") for path in own)
+        if not _under(name, own)
     }
     shared.update(_int8_states(base_model))
     model = copy.deepcopy(base_model, memo=shared)
@@ -488,8 +493,10 @@ def _attach_client_mixture(model: nn.Module, layout: Layout, builder: _ExpertBui
         return
     for path, layer in _adaptable_layers(model, own):
         adapted = None
+        kinds = layout.adaptor_kinds
+        rank = kinds.head_rank if _under(path, own) else None
         for name, gate in zip(names, gates, strict=True):
-            adaptor = layer_adaptor(layer, layout.adaptor_kinds, builder._generator(0, path, name))
+            adaptor = layer_adaptor(layer, kinds, builder._generator(0, path, name), rank)
             if adaptor is None:
                 break
             if adapted is None:
@@ -531,7 +538,7 @@ def _attach_lora_copies(model: nn.Module, layout: Layout, builder: _ExpertBuilde
     """Flow on a Hugging Face model (see :func:`_attach_layer_copies`)."""
     sites, blocks = sites_of(model)
     head = [path for path, layer in _adaptable_layers(model, own)
-            if isinstance(layer, nn.Linear) and any(path == p or path.startswith(p + ".") for p in own)]
+            if isinstance(layer, nn.Linear) and _under(path, own)]
     # A language model (no task head) predicts its own tokens: each position is routed on its context only.
     representation = SequenceRepresentation(model.get_input_embeddings(), causal=not own)
     router = InstancePolicyRouter(model.config.hidden_size, len(blocks) + len(head), layout.router.policy_hidden,
@@ -578,7 +585,7 @@ def _adaptable_layers(model: nn.Module, own: tuple[str, ...] = ()) -> list[tuple
         _, blocks = sites_of(model)
         prefix = next(name for name, module in model.named_modules() if module is blocks)
         scope = [(name, module) for name, module in model.named_modules()
-                 if name.startswith(prefix + ".") or any(name == p or name.startswith(p + ".") for p in own)]
+                 if name.startswith(prefix + ".") or _under(name, own)]
     else:
         scope = [(name, module) for name, module in model.named_modules() if name]
     return [(path, module) for path, module in scope if not list(module.children())]

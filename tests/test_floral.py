@@ -14,7 +14,7 @@ from ondevice_moe import runner
 from ondevice_moe.errors import UserError
 from ondevice_moe.experts.bias import BiasAdaptor
 from ondevice_moe.experts.conv_lora import ConvLoRA
-from ondevice_moe.experts.layer import AdaptedLayer, AdaptorKinds, layer_adaptor
+from ondevice_moe.experts.layer import AdaptedLayer, AdaptorKinds, LayerAdaptor, layer_adaptor
 from ondevice_moe.experts.lora import LoRA
 from ondevice_moe.experts.norm import NormAdaptor
 from ondevice_moe.experts.preconditioning import EPSILON, precondition_conv_lora, precondition_lora
@@ -313,6 +313,24 @@ def test_floral_adapts_a_classifier_head_too():
     assert isinstance(model.classifier, AdaptedLayer)
     tokens = torch.randint(5, 100, (2, 8), generator=_generator())
     torch.testing.assert_close(model(input_ids=tokens).logits, base(input_ids=tokens).logits)
+
+
+def test_head_rank_sets_the_classifier_heads_lora_rank_and_leaves_the_blocks_to_the_budget():
+    from ondevice_moe.models import load_base_model
+
+    base = load_base_model("tiny-bert", num_labels=3).model
+    heads = dev.head_paths(base)
+    ranks = {}
+    for head_rank in (None, 3):
+        method = method_for("floral", 2, clusters=2, budget=0.01, head_rank=head_rank)
+        model = attach_layout(base, method.layouts[0], seed=0, own=heads)
+        ranks[head_rank] = {name: module.lora.rank for name, module in model.named_modules()
+                            if isinstance(module, LayerAdaptor) and module.low_rank is not None}
+    head = [name for name in ranks[3] if name.startswith(heads)]
+    blocks = [name for name in ranks[3] if not name.startswith(heads)]
+    assert head and blocks
+    assert all(ranks[None][name] == 1 for name in head) and all(ranks[3][name] == 3 for name in head)
+    assert all(ranks[3][name] == ranks[None][name] for name in blocks)
 
 
 def test_the_spelled_out_mixture_holds_a_private_adaptor_beside_a_shared_one():

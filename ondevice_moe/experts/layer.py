@@ -28,7 +28,8 @@ class AdaptorKinds:
     """Which adaptors go where (FLoRAL §3.2, Table 5): ``lora`` on Linear layers, ``conv``
     (a ConvLoRA form, or ``None``) on Conv2d layers, ``bias`` on every layer with a bias,
     ``norm`` on normalisation layers; ``budget`` is the relative parameter budget ρ per
-    adaptor that sets each low-rank adaptor's rank."""
+    adaptor that sets each low-rank adaptor's rank; ``head_rank``, when set, is the rank of
+    the LoRA on a Hugging Face model's task-head layers instead."""
 
     budget: float = 0.01
     lora: bool = True
@@ -36,6 +37,7 @@ class AdaptorKinds:
     bias: bool = True
     norm: bool = False
     min_rank: int = 1
+    head_rank: int | None = None
 
 
 class LayerAdaptor(nn.ModuleDict):
@@ -58,12 +60,14 @@ class LayerAdaptor(nn.ModuleDict):
         return residual
 
 
-def layer_adaptor(layer: nn.Module, kinds: AdaptorKinds, generator: torch.Generator) -> LayerAdaptor | None:
-    """The adaptors ``kinds`` put on ``layer``; ``None`` for a layer that takes none."""
+def layer_adaptor(layer: nn.Module, kinds: AdaptorKinds, generator: torch.Generator,
+                  rank: int | None = None) -> LayerAdaptor | None:
+    """The adaptors ``kinds`` put on ``layer``; ``None`` for a layer that takes none. A linear
+    layer's LoRA has rank ``rank`` when given, else the rank of the budget ρ (§3.2)."""
     pieces: dict[str, nn.Module] = {}
     if isinstance(layer, nn.Linear | Conv1D) and kinds.lora:
         fan_in, fan_out = linear_features(layer)
-        rank = relative_rank(kinds.budget, fan_in * fan_out, fan_in + fan_out, kinds.min_rank)
+        rank = rank or relative_rank(kinds.budget, fan_in * fan_out, fan_in + fan_out, kinds.min_rank)
         # FLoRAL's adaptor is W + UVᵀ, unscaled: α = r with α/r scaling gives γ = 1.
         pieces["lora"] = LoRA(fan_in, fan_out, rank, float(rank), generator, rank_stabilised=False)
     elif isinstance(layer, nn.Conv2d) and kinds.conv is not None:

@@ -23,7 +23,11 @@ class FLoRALSizes(BaseModel):
     ``train_base``: train the base ``u`` with the adaptors and average it (Alg. 1 — the
     small models); ``false`` keeps a Hugging Face base frozen, as PEFT does;
     ``router_lr``: θ's own learning rate (the authors' configs: 0.1 beside weights at
-    0.03 on the synthetic MLP and CIFAR); unset, θ trains at the weights' rate."""
+    0.03 on the synthetic MLP and CIFAR); unset, θ trains at the weights' rate;
+    ``head_rank``: the rank of each adaptor's LoRA on a Hugging Face classifier's head
+    (pooler and classifier) in place of ρ's. Not in the paper, whose models have no frozen
+    head: at ρ = 1 % a 384 × 5 classifier gets rank 1, and a label permutation of 5 classes
+    needs rank 4 or more."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -35,6 +39,7 @@ class FLoRALSizes(BaseModel):
     preconditioning: bool = True
     train_base: bool = True
     router_lr: float | None = Field(None, gt=0)
+    head_rank: int | None = Field(None, ge=1)
 
 
 class FLoRALOptions(FLoRALSizes, MethodOptions):

@@ -32,7 +32,7 @@ def _clusters(options: FLoRALSizes, context: MethodContext) -> int:
 
 def _kinds(options: FLoRALSizes) -> AdaptorKinds:
     return AdaptorKinds(budget=options.budget, conv=None if options.conv_lora == "none" else options.conv_lora,
-                        bias=options.bias, norm=options.norm)
+                        bias=options.bias, norm=options.norm, head_rank=options.head_rank)
 
 
 def _routers(options: FLoRALOptions, context: MethodContext, clusters: int) -> list[RouterSpec]:
