@@ -159,10 +159,9 @@ class ClientMixtureRouter(nn.Module):
 
     def mixture(self) -> torch.Tensor:
         """``π``, shape ``(C,)``: ``softmax(θ + noise)`` in a noisy training pass, else ``softmax(θ)``."""
-        if hasattr(self, "fixed"):
-            return self.fixed
-        noisy = self.training and self.drawn is not None
-        return torch.softmax(self.theta + self.drawn if noisy else self.theta, dim=0)
+        if self.training and self.drawn is not None:
+            return torch.softmax(self.theta + self.drawn, dim=0)
+        return self.probabilities()
 
     def probabilities(self) -> torch.Tensor:
         """The learned ``softmax(θ)`` (or π*), without this pass's noise: what the device reports."""
