@@ -475,6 +475,11 @@ class Recipe(_Section):
         if whole_centres and not small_model:
             raise ValueError(f"methods {whole_centres} would keep whole copies of a Hugging Face model as cluster "
                              "centres; give them cluster adapters: set fedsoft.lora_rank (e.g. 8)")
+        every_centre = [m.name for m in built if m.procedure.centres is not None
+                        and m.procedure.centres.assignment == "em"]
+        if every_centre and self.privacy.enabled:
+            raise ValueError(f"methods {every_centre} send every cluster centre, and privacy clips and noises the "
+                             "update of one model; drop them or the recipe's privacy: section")
         if self.model.quantization != "none":
             whole = [m.name for m in built if m.procedure.full_finetune]
             if whole:

@@ -15,6 +15,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from ondevice_moe.example_loss import EXAMPLE_WEIGHTS, example_loss
 from ondevice_moe.experts.preconditioning import precondition_gradients
 from ondevice_moe.federation.rank_pruning import pruning_penalty, zero_pruned_ranks
 from ondevice_moe.layout import hermes_routers, routing_sites, total_balance_loss
@@ -66,7 +67,10 @@ class DeviceTrainer:
     A parameter is trainable when the model was built with ``requires_grad``
     on it (experts, routers, task heads) and the method does not freeze it.
     ``anchors``: this round's cluster centres, whose proximal term (FedSoft eq. 4)
-    joins the loss of every expert step.
+    joins the loss of every expert step; ``uploads``: what the round's procedure prepared
+    to send in place of the model's shared tensors (FedEM: every centre it trained).
+    A batch that carries ``example_weights`` (:class:`~ondevice_moe.example_loss.WeightedExamples`)
+    is trained on the batch mean of weight × per-example loss in place of the model's own loss.
     """
 
     model: nn.Module
@@ -77,6 +81,7 @@ class DeviceTrainer:
     router_optimizer: torch.optim.Optimizer | None = field(default=None, init=False)
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = field(default=None, init=False)
     anchors: ProximalAnchors | None = field(default=None, init=False)
+    uploads: dict[str, torch.Tensor] | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self.trainable = [(n, p) for n, p in self.model.named_parameters()
@@ -183,13 +188,16 @@ class DeviceTrainer:
     def _step(self, batch: Batch, optimizer, *, train_router: bool, train_experts: bool, scheduler=None,
               idle: set[int] | frozenset[int] = frozenset()) -> float:
         batch = to_device(batch, model_device(self.model))
+        weights = batch.pop(EXAMPLE_WEIGHTS, None)
         for name, param in self.trainable:
             param.requires_grad_((train_router if _is_router(name) else train_experts) and id(param) not in idle)
         try:
             self.model.train()
             with counting_real_tokens(self.hermes_routers, batch.get("attention_mask")):
                 output = self.model(**batch)
-            loss, task_loss = output.loss, float(output.loss.detach())
+            loss = output.loss if weights is None else \
+                (example_loss(self.model, output.logits, batch["labels"]) * weights).mean()
+            task_loss = float(loss.detach())
             del output  # the logits are not needed for backward (a vocabulary-sized tensor per token)
             balance = total_balance_loss(self.model)
             if balance is not None:

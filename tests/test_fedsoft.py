@@ -210,7 +210,7 @@ def test_an_ifca_device_trains_its_lowest_loss_centre_and_sends_the_choice():
     assert trainer.anchors.penalty(trainer.trainable) is None, "IFCA has no proximal term"
     assert dev.upload(job, trainer)[1]["mixture"]["pi"] == [0.0, 1.0]
     evaluated = dev.restore_trainer(job, 0, None, state).model
-    dev.local_model_of(job, 0, evaluated, dev.received_centres(job, sent))
+    dev.local_model_of(job, 0, evaluated, dev.received_centres(job, sent), state)
     torch.testing.assert_close(evaluated.state_dict()["net.1.weight"], near)
 
 
@@ -274,15 +274,16 @@ def test_fedsoft_on_a_hugging_face_model_needs_cluster_adapters():
 # -- a run ---------------------------------------------------------------------------------------------------------
 
 
-def test_two_centres_separate_on_a_10_90_mixture_of_two_sources(tmp_path):
+@pytest.mark.parametrize("method", ["fedsoft", "fedem"])
+def test_two_centres_separate_on_a_10_90_mixture_of_two_sources(tmp_path, method):
     """Six clients, two synthetic regression sources mixed 10:90 and 90:10 (FedSoft §5): matched
     to sources by the best assignment, each centre has a lower MSE on its own source than on the
-    other (the diagonal of Table 1), and each client's larger importance sits on the centre of its
-    majority source."""
+    other (the diagonal of Table 1), and each client's larger importance (FedEM: its π) sits on
+    the centre of its majority source."""
     raw = yaml.safe_load(TINY_FEDSOFT.read_text())
-    raw["methods"] = ["fedsoft"]
+    raw["methods"] = [method]
     result = runner.run_recipe(validate_recipe(raw), tmp_path / "run")
-    centres = result.summary["methods"]["fedsoft"]["centres"]
+    centres = result.summary["methods"][method]["centres"]
     mse = np.array([[centres[f"centre_{c}_source_{s}"] for s in range(2)] for c in range(2)])
     match = min(itertools.permutations(range(2)), key=lambda order: sum(mse[c, s] for c, s in enumerate(order)))
     for centre, source in enumerate(match):

@@ -116,7 +116,7 @@ def evaluate(msg: Message, context: Context) -> Message:
     scores = {}
     if centred:
         centres = dev.received_centres(job, arrays)
-        dev.local_model_of(job, device, model, centres)
+        dev.local_model_of(job, device, model, centres, context.state)
         scores = centre_scores(job, model, centres) if device == 0 else {}
     metrics = {**evaluate_device(job, device, model), **scores}
     metrics["device"] = device

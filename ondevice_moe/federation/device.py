@@ -17,6 +17,7 @@ from ondevice_moe.data.classification import FederatedTask, build_federated_task
 from ondevice_moe.data.small import SmallFederatedTask, build_small_task
 from ondevice_moe.data.splits import BlockExamples, SourceSpec, UserData, build_user_data
 from ondevice_moe.errors import UserError
+from ondevice_moe.example_loss import WeightedExamples
 from ondevice_moe.federation import device_state
 from ondevice_moe.federation.job import Job
 from ondevice_moe.federation.peers import mix_peers, split_peers
@@ -26,10 +27,13 @@ from ondevice_moe.methods import Method, Role
 from ondevice_moe.methods.fedsoft.centres import (
     ProximalAnchors,
     Tensors,
+    centre_key,
     centre_losses,
     centre_seed,
     hard_assignment,
     importance_weights,
+    mixture_of,
+    responsibilities,
     split_centres,
 )
 from ondevice_moe.methods.flow.procedure import flow_round
@@ -281,31 +285,52 @@ def anchor_to_centres(job: Job, device: int, trainer: DeviceTrainer, arrays: Arr
     re-estimated on the training examples and kept in ``context.state`` (lines 3–13);
     the device's own model is anchored to all centres by them (eq. 4). IFCA: the model
     becomes the centre with the lowest loss on the training examples, trained without a
-    proximal term. Either way the weights travel with the update (:func:`upload`)."""
+    proximal term. FedEM: the E-step weighs each training example over the centres from the
+    mixture π kept in ``context.state`` (uniform at first), and the M-step sets π from them.
+    Either way the weights travel with the update (:func:`upload`)."""
     procedure = job.method.procedure.centres
     centres = received_centres(job, arrays)
     losses = centre_losses(copy.deepcopy(trainer.model), centres, centre_examples(job, device))
+    ordered = tuple(centres[c] for c in sorted(centres))
+    if procedure.assignment == "em":
+        posteriors = responsibilities(losses, _mixture(state, len(centres)))
+        mixture = mixture_of(posteriors)
+        state[IMPORTANCE_KEY] = ConfigRecord({"u": mixture})
+        trainer.anchors = ProximalAnchors(ordered, tuple(mixture), 0.0, posteriors)
+        return {f"importance_{centre}": weight for centre, weight in enumerate(mixture)}
     if procedure.assignment == "hard":
         chosen = hard_assignment(losses)
         trainer.model.load_state_dict(centres[chosen], strict=False)
         weights = [float(centre == chosen) for centre in sorted(centres)]
-        trainer.anchors = ProximalAnchors(tuple(centres[c] for c in sorted(centres)), tuple(weights), 0.0)
+        trainer.anchors = ProximalAnchors(ordered, tuple(weights), 0.0)
         return {"centre": chosen}
     if (server_round - 1) % procedure.estimation_interval == 0 or IMPORTANCE_KEY not in state:
         state[IMPORTANCE_KEY] = ConfigRecord({"u": importance_weights(losses, procedure.importance_floor)})
     weights = [float(u) for u in state[IMPORTANCE_KEY]["u"]]
-    trainer.anchors = ProximalAnchors(tuple(centres[c] for c in sorted(centres)), tuple(weights),
-                                      procedure.proximal_lambda)
+    trainer.anchors = ProximalAnchors(ordered, tuple(weights), procedure.proximal_lambda)
     return {f"importance_{centre}": weight for centre, weight in enumerate(weights)}
 
 
-def local_model_of(job: Job, device: int, model: nn.Module, centres: dict[int, Tensors]) -> None:
+def _mixture(state: RecordDict, clusters: int) -> list[float]:
+    """FedEM's π as the device last set it, uniform before its first round."""
+    if IMPORTANCE_KEY in state:
+        return [float(weight) for weight in state[IMPORTANCE_KEY]["u"]]
+    return [1.0 / clusters] * clusters
+
+
+def local_model_of(job: Job, device: int, model: nn.Module, centres: dict[int, Tensors],
+                   state: RecordDict) -> None:
     """The model a device of a clustered method is tested with: FedSoft's own ``w_k`` (already
-    in ``model``), IFCA's lowest-loss centre (FedSoft §5: "the center corresponding to the
-    largest importance weight as a client's local model")."""
-    if job.method.procedure.centres.assignment == "hard":
+    in ``model``), IFCA's lowest-loss centre, FedEM's centre of largest π (FedSoft §5: "the
+    center corresponding to the largest importance weight as a client's local model"; FedEM's
+    own prediction, the π-mixture of the centres' outputs, is not built)."""
+    assignment = job.method.procedure.centres.assignment
+    if assignment == "hard":
         losses = centre_losses(copy.deepcopy(model), centres, centre_examples(job, device))
         model.load_state_dict(centres[hard_assignment(losses)], strict=False)
+    elif assignment == "em":
+        mixture = _mixture(state, len(centres))
+        model.load_state_dict(centres[max(range(len(mixture)), key=mixture.__getitem__)], strict=False)
 
 
 def save_private_state(job: Job, device: int, trainer: DeviceTrainer, state: RecordDict) -> None:
@@ -366,8 +391,17 @@ def upload_reference(job: Job, device: int) -> dict[str, torch.Tensor]:
     """Names, shapes and dtypes of every tensor the device may upload (whatever its usage),
     as empty tensors on the meta device: what the server checks an update against."""
     model = build_model(job, device)
-    return {name: torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
-            for name, tensor in trainable_state(model).items() if travels(job.method, name)}
+    one = {name: torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+           for name, tensor in trainable_state(model).items() if travels(job.method, name)}
+    if not _trains_every_centre(job):
+        return one
+    return {centre_key(centre, name): tensor for centre in range(job.server_rule.clusters)
+            for name, tensor in one.items()}
+
+
+def _trains_every_centre(job: Job) -> bool:
+    """FedEM: the device trains and sends every centre."""
+    return job.method.procedure.centres is not None and job.method.procedure.centres.assignment == "em"
 
 
 def upload(job: Job, trainer: DeviceTrainer) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
@@ -375,7 +409,7 @@ def upload(job: Job, trainer: DeviceTrainer) -> tuple[dict[str, torch.Tensor], d
     weighs them by — ``usage``: each uploaded expert tensor's usage count, when the server
     weighs experts by usage (Hermes); ``mixture``: the client's ``π`` (FLoRAL Alg. 1 line 12),
     or its weights over the cluster centres (FedSoft's ``u_k``, IFCA's one-hot choice)."""
-    tensors = shared_state(trainer)
+    tensors = shared_state(trainer) if trainer.uploads is None else trainer.uploads
     records: dict[str, dict] = {}
     if job.method.sharing.selected_only:
         records["usage"] = {name: count for name, count in expert_usage(trainer.model).items() if name in tensors}
@@ -493,6 +527,8 @@ def load_checkpoint(job: Job, device: int, model: nn.Module) -> None:
 
 def run_local_procedure(job: Job, device: int, trainer: DeviceTrainer, seed: int) -> tuple[dict[str, float], int]:
     """Run the method's local procedure for one round; returns train metrics and the example count."""
+    if _trains_every_centre(job):
+        return _train_every_centre(job, device, trainer, seed)
     if job.recipe.is_language_modelling:
         return _train_language_model(job, device, trainer, seed)
     return _train_classifier(job, device, trainer, seed)
@@ -518,8 +554,37 @@ def _train_classifier(job: Job, device: int, trainer: DeviceTrainer, seed: int) 
     if job.method.procedure.flow is not None:
         return flow_round(trainer, examples, job.recipe.task.batch_size, seed)
     sampler, per_epoch = epoch_sampler(examples, job.recipe.task.batch_size, seed)
-    epochs = job.recipe.federation.local_epochs
-    iterations = epochs * per_epoch if epochs else job.recipe.federation.local_iterations
     # The trainer's iteration count runs on across rounds, and so do the epochs.
-    metrics = trainer.train_iterations(iterations, sampler, sampler)
+    metrics = trainer.train_iterations(_local_steps(job, per_epoch), sampler, sampler)
     return metrics, len(examples)
+
+
+def _local_steps(job: Job, per_epoch: int) -> int:
+    """A round's steps: ``local_epochs`` epochs of a classifier's examples, else ``local_iterations``."""
+    epochs = job.recipe.federation.local_epochs
+    if epochs and not job.recipe.is_language_modelling:
+        return epochs * per_epoch
+    return job.recipe.federation.local_iterations
+
+
+def _train_every_centre(job: Job, device: int, trainer: DeviceTrainer, seed: int) -> tuple[dict, int]:
+    """FedEM's local step (Marfoq et al., 2021, Alg. 1, LocalSolver): every centre ``s`` in turn,
+    from its received value, takes the round's steps on ``Σ_i q(z_i = s) ℓ_s(i)`` (batch means
+    of the E-step's weights times the losses, as the authors' ``fit_epochs(…, weights)``) with a
+    fresh optimiser; the trained centres become the upload. The authors' learners keep their
+    optimisers across rounds; here only the iteration count (and so the epochs drawn) runs on."""
+    examples = centre_examples(job, device)
+    batch_size = job.recipe.data.batch_size if job.recipe.is_language_modelling else job.recipe.task.batch_size
+    anchors = trainer.anchors
+    trained, losses, start = {}, [], trainer.iteration
+    for centre, tensors in enumerate(anchors.centres):
+        trainer.model.load_state_dict(tensors, strict=False)
+        learner = DeviceTrainer(trainer.model, trainer.method, trainer.config)
+        learner.iteration = start
+        sampler, per_epoch = epoch_sampler(WeightedExamples(examples, anchors.posteriors[centre]), batch_size,
+                                           zlib.crc32(f"{seed}:centre:{centre}".encode()))
+        losses.append(learner.train_iterations(_local_steps(job, per_epoch), sampler, sampler)["train_loss"])
+        trained.update({centre_key(centre, name): tensor for name, tensor in shared_state(learner).items()})
+        trainer.iteration = learner.iteration
+    trainer.uploads = trained
+    return {"train_loss": sum(losses) / len(losses), "iteration": float(trainer.iteration)}, len(examples)

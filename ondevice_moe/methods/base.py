@@ -65,11 +65,13 @@ class CentreProcedure:
     anchored to every centre by its importance weights, re-estimated every
     ``estimation_interval`` rounds with floor ``importance_floor``; ``proximal_lambda``
     is λ. ``hard`` (IFCA): the device trains the centre with the lowest loss on its data.
+    ``em`` (FedEM, Marfoq et al. 2021): the device weighs each example over all centres (E-step),
+    sets its mixture π from them (M-step) and trains every centre on its weighted loss.
     ``lora_spread``: the std of a LoRA centre's ``B`` at the start (cluster adapters on a
     Hugging Face model; the centres must start apart).
     """
 
-    assignment: Literal["soft", "hard"]
+    assignment: Literal["soft", "hard", "em"]
     proximal_lambda: float = 0.0
     estimation_interval: int = 1
     importance_floor: float = 0.0

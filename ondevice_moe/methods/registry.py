@@ -85,6 +85,7 @@ METHODS: dict[str, MethodSpec] = {
     "local-adaptor": MethodSpec(LocalAdaptorOptions, floral_methods.local_adaptor, _ANY, "floral"),
     "fedsoft": MethodSpec(FedSoftOptions, fedsoft_methods.fedsoft, _ANY, "fedsoft"),
     "ifca": MethodSpec(FedSoftOptions, fedsoft_methods.ifca, _ANY, "fedsoft"),
+    "fedem": MethodSpec(FedSoftOptions, fedsoft_methods.fedem, _ANY, "fedsoft"),
     "flow": MethodSpec(FlowOptions, flow_methods.flow, _ANY, "flow"),
     "fedavgft": MethodSpec(FlowOptions, flow_methods.fedavg_ft, _ANY, "flow"),
     "ditto": MethodSpec(FlowOptions, flow_methods.ditto, _ANY, "flow"),

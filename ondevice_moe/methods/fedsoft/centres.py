@@ -5,6 +5,9 @@
   reports ``u_ks = max(n_ks / n_k, σ)``;
 * IFCA's hard assignment (Ghosh et al., 2020): the one centre with the lowest
   loss over all the client's examples;
+* FedEM's E- and M-steps (Marfoq et al., 2021, Alg. 1): each example's responsibilities
+  ``q(z_i = s) ∝ π_s · exp(−ℓ_s(i))`` over the centres, and the client's mixture
+  ``π_s = (1/n) Σ_i q(z_i = s)``;
 * the proximal term of eq. (4), ``(λ/2) Σ_s u_ks ‖w − c_s‖²``, whose gradient is
   ``λ (Σ_s u_ks w − Σ_s u_ks c_s)`` — eq. (5) when ``Σ_s u_ks = 1``.
 
@@ -16,12 +19,14 @@ every client.
 from __future__ import annotations
 
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from ondevice_moe.data.splits import BlockExamples
+from ondevice_moe.example_loss import example_loss
 from ondevice_moe.likelihood import block_nll
 from ondevice_moe.models.devices import model_device
 
@@ -57,9 +62,8 @@ def centre_seed(seed: int, centre: int) -> int:
 
 @torch.no_grad()
 def example_losses(model: nn.Module, examples, batch_size: int = 512) -> torch.Tensor:
-    """The loss of ``model`` on each example, shape ``(n,)``: squared error averaged over the
-    outputs for a small regressor (``model.regression``), cross-entropy for a classifier, and a
-    language model's mean next-token loss over each block (a block of text is an example)."""
+    """The loss of each of ``examples`` under ``model``, shape ``(n,)``
+    (:func:`~ondevice_moe.example_loss.example_loss`; a block of text is an example)."""
     if isinstance(examples, BlockExamples):
         return block_nll(model, examples.blocks, batch_size) / (examples.blocks.shape[1] - 1)
     model.eval()
@@ -68,19 +72,9 @@ def example_losses(model: nn.Module, examples, batch_size: int = 512) -> torch.T
     for start in range(0, len(examples), batch_size):
         batch = examples.batch(torch.arange(start, min(start + batch_size, len(examples))))
         labels = batch.pop("labels").to(device)
-        logits = model(**{key: value.to(device) for key, value in batch.items()}).logits.float()
-        if _is_regressor(model):
-            losses.append((logits - labels.float().view_as(logits)).pow(2).flatten(1).mean(dim=1).cpu())
-        else:
-            losses.append(nn.functional.cross_entropy(logits, labels.long(), reduction="none").cpu())
+        logits = model(**{key: value.to(device) for key, value in batch.items()}).logits
+        losses.append(example_loss(model, logits, labels).cpu())
     return torch.cat(losses)
-
-
-def _is_regressor(model: nn.Module) -> bool:
-    """A small model says so; a Hugging Face classifier with one output regresses."""
-    if hasattr(model, "regression"):
-        return bool(model.regression)
-    return getattr(model.config, "num_labels", 2) == 1
 
 
 def centre_losses(model: nn.Module, centres: dict[int, Tensors], examples) -> torch.Tensor:
@@ -101,6 +95,19 @@ def importance_weights(losses: torch.Tensor, floor: float) -> list[float]:
     return [max(float(count) / examples, floor) for count in counts]
 
 
+def responsibilities(losses: torch.Tensor, mixture: Sequence[float]) -> torch.Tensor:
+    """FedEM's E-step (Marfoq et al., 2021, Alg. 1): ``(S, n)`` posteriors
+    ``q(z_i = s) = π_s exp(−ℓ_s(i)) / Σ_s' π_s' exp(−ℓ_s'(i))`` from the ``(S, n)`` ``losses``
+    and the client's mixture ``π`` (the authors' ``softmax(log π − losses)``); each column sums to one."""
+    prior = torch.tensor(mixture, dtype=torch.float64).log().unsqueeze(1)
+    return torch.softmax(prior - losses.double(), dim=0)
+
+
+def mixture_of(posteriors: torch.Tensor) -> list[float]:
+    """FedEM's M-step for the client's mixture (Alg. 1): ``π_s = (1/n) Σ_i q(z_i = s)``."""
+    return [float(weight) for weight in posteriors.mean(dim=1)]
+
+
 def hard_assignment(losses: torch.Tensor) -> int:
     """IFCA: the centre with the lowest total loss over the client's examples."""
     return int(losses.sum(dim=1).argmin())
@@ -110,13 +117,15 @@ def hard_assignment(losses: torch.Tensor) -> int:
 class ProximalAnchors:
     """The centres a round's local steps are anchored to, with the client's weights on them.
 
-    ``weights[s]`` is ``u_ks`` (FedSoft) or IFCA's one-hot assignment; they also travel
-    with the update, for the server's eq. (6). ``strength`` is λ of eq. (4); zero adds
-    no term (IFCA, and FedSoft with λ = 0: the Local baseline)."""
+    ``weights[s]`` is ``u_ks`` (FedSoft), IFCA's one-hot assignment or FedEM's ``π_s``; they
+    also travel with the update, for the server's eq. (6). ``strength`` is λ of eq. (4); zero
+    adds no term (IFCA, FedEM, and FedSoft with λ = 0: the Local baseline). ``posteriors``:
+    FedEM's ``(S, n)`` E-step responsibilities of the client's training examples."""
 
     centres: tuple[Tensors, ...]
     weights: tuple[float, ...]
     strength: float
+    posteriors: torch.Tensor | None = None
 
     def penalty(self, parameters: list[tuple[str, nn.Parameter]]) -> torch.Tensor | None:
         """Eq. (4)'s ``(λ/2) Σ_s u_ks ‖w − c_s‖²`` over the named trainable ``parameters`` that the

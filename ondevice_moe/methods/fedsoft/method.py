@@ -12,7 +12,13 @@
 * On a Hugging Face model with ``lora_rank``, the models are cluster adapters: a LoRA on
   every attention projection, the base frozen (issue: S LoRA centres on SmolLM2, each user's
   text a mixture of two domains).
-* FedAvg is ``fed-ft`` (or ``fed-lora`` on a Hugging Face model). FedEM is not built (see ``docs/fedsoft.md``).
+* ``fedem`` (Marfoq et al., 2021, Alg. 1; FedSoft's other baseline): each client keeps a private
+  mixture π over the centres; each round it weighs every training example over the centres
+  (E-step), sets π to their mean (M-step), trains every centre on its weighted loss and sends all
+  S of them; the server averages each centre by example count. Its local model, as FedSoft §5
+  scores it, is the centre of largest π. S times FedSoft's local work and upload, the cost FedSoft
+  §2 names.
+* FedAvg is ``fed-ft`` (or ``fed-lora`` on a Hugging Face model).
 """
 
 from __future__ import annotations
@@ -73,3 +79,13 @@ def ifca(options: FedSoftOptions, context: MethodContext) -> Method:
                   procedure=Procedure(full_finetune=layout is None,
                                       centres=CentreProcedure("hard", lora_spread=options.centre_spread)),
                   server_rule=CentreRule(clusters=clusters, seed=context.seed))
+
+
+def fedem(options: FedSoftOptions, context: MethodContext) -> Method:
+    """FedEM: E-step responsibilities, every centre trained on its weighted loss, centres averaged by n_k."""
+    clusters = _clusters(options, context)
+    layout = _layout(options)
+    return Method("fedem", same_for_all(context.num_users, layout),
+                  procedure=Procedure(full_finetune=layout is None,
+                                      centres=CentreProcedure("em", lora_spread=options.centre_spread)),
+                  server_rule=CentreRule(clusters=clusters, seed=context.seed, every_centre=True))

@@ -15,6 +15,10 @@ FedSoft's ``u_k``, IFCA's one-hot choice). Then, per centre ``s``:
   without replacement as the authors' ``np.random.choice(…, p=v, replace=False)``,
   and ``c_s = (1/K) Σ_{k ∈ Sel_s} w_k``, a plain mean ("simply averaging them", §3).
 
+FedEM (Marfoq et al., 2021, Alg. 1; ``every_centre``): each client trains and sends every
+centre (``cluster_<s>/<name>``), and centre ``s`` becomes ``Σ_k (n_k / n) w_ks``, the mean
+of the clients' copies of it by example count — eq. (6) with ``u_ks = 1``.
+
 The denominator of eq. (6) runs over the clients that reported this round (the
 printed ``Sel_s^t`` would make the weights depend on the selection they define; the
 authors' code normalises over all clients). Selection draws from a generator seeded
@@ -31,7 +35,7 @@ import torch
 
 from ondevice_moe.federation.aggregation import Update
 from ondevice_moe.federation.rules import ServerRule, Slots
-from ondevice_moe.methods.fedsoft.centres import centre_key, cluster_slot
+from ondevice_moe.methods.fedsoft.centres import centre_key, cluster_slot, split_centres
 
 ROUNDS = "rounds"
 
@@ -60,11 +64,13 @@ def mean_model(models: list[dict[str, torch.Tensor]], weights: list[float]) -> d
 
 @dataclass(frozen=True)
 class CentreRule(ServerRule):
-    """S cluster centres aggregated by eq. (6), with or without Alg. 1's client selection."""
+    """S cluster centres aggregated by eq. (6), with or without Alg. 1's client selection, or
+    (``every_centre``) FedEM's average of every client's copy of each centre by example count."""
 
     clusters: int = 2
     selection_size: int | None = None
     seed: int = 0
+    every_centre: bool = False
 
     def initial_slots(self) -> Slots:
         return {cluster_slot(s): {} for s in range(self.clusters)}
@@ -79,8 +85,8 @@ class CentreRule(ServerRule):
         return self.message_for(slots, 0)
 
     def reference(self, slots: Slots, device: int) -> dict[str, torch.Tensor]:
-        """A client uploads its whole model, shaped like every centre."""
-        return slots[cluster_slot(0)]
+        """A client uploads its whole model, shaped like every centre (FedEM: every centre)."""
+        return self.message_for(slots, device) if self.every_centre else slots[cluster_slot(0)]
 
     def aggregate(self, slots: Slots, updates: list[Update]) -> Slots:
         """Fold the updates into the centres; an update without S finite, non-negative weights
@@ -90,6 +96,8 @@ class CentreRule(ServerRule):
             return slots
         done = int(slots.get(ROUNDS, {}).get("count", torch.zeros(1)).item())
         importance = np.array([update.mixture for update in updates], dtype=float)
+        if self.every_centre:
+            importance = np.ones_like(importance)
         examples = np.array([update.num_examples for update in updates], dtype=float)
         weights = aggregation_weights(importance, examples)
         fresh = dict(slots)
@@ -107,8 +115,9 @@ class CentreRule(ServerRule):
     def _contributions(self, updates: list[Update], row: np.ndarray, done: int,
                        centre: int) -> tuple[list[dict[str, torch.Tensor]], list[float]]:
         """The models centre ``centre`` is averaged from, and their coefficients."""
+        models = [split_centres(u.tensors)[centre] if self.every_centre else u.tensors for u in updates]
         if self.selection_size is None:
-            return [u.tensors for u in updates], row.tolist()
+            return models, row.tolist()
         generator = np.random.default_rng([self.seed, done, centre])
         chosen = select_clients(row, self.selection_size, generator)
-        return [updates[i].tensors for i in chosen], [1.0 / len(chosen)] * len(chosen)
+        return [models[i] for i in chosen], [1.0 / len(chosen)] * len(chosen)

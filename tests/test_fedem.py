@@ -1,0 +1,154 @@
+"""FedEM (Marfoq et al., 2021), FedSoft's second baseline: the E- and M-steps, the weighted
+local loss, a device's round over every centre, and the server's average by example count.
+The run on the synthetic 10:90 mixture is in ``test_fedsoft.py``."""
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from flwr.app import RecordDict
+
+from ondevice_moe.errors import UserError
+from ondevice_moe.example_loss import WeightedExamples, example_loss
+from ondevice_moe.federation import device as dev
+from ondevice_moe.federation.aggregation import Update
+from ondevice_moe.federation.job import Job
+from ondevice_moe.methods.fedsoft.centres import centre_key, mixture_of, responsibilities, split_centres
+from ondevice_moe.methods.fedsoft.rule import CentreRule
+from ondevice_moe.models.small import small_model
+from ondevice_moe.recipe import load_recipe, validate_recipe
+from ondevice_moe.training import DeviceTrainer, TrainingConfig
+
+TINY_FEDSOFT = Path(__file__).parent / "recipes" / "tiny-fedsoft.yaml"
+
+
+def _fedem_job(tmp_path: Path) -> Job:
+    return Job(load_recipe(TINY_FEDSOFT, ["methods=[fedem]"]), 0, tmp_path)
+
+
+# -- E- and M-steps --------------------------------------------------------------------------------------------
+
+
+def test_the_e_step_weighs_each_example_by_prior_times_likelihood():
+    losses = torch.tensor([[1.0, 2.0, 0.5], [3.0, 0.0, 0.5]])  # (S = 2 centres, n = 3 examples)
+    prior = [0.25, 0.75]
+    posteriors = responsibilities(losses, prior)
+    for i in range(3):
+        joint = [prior[s] * math.exp(-float(losses[s, i])) for s in range(2)]
+        for s in range(2):
+            assert float(posteriors[s, i]) == pytest.approx(joint[s] / sum(joint))
+    assert mixture_of(posteriors) == pytest.approx([float(posteriors[s].mean()) for s in range(2)])
+    assert sum(mixture_of(posteriors)) == pytest.approx(1.0)
+
+
+def test_a_centre_with_no_prior_mass_keeps_none():
+    posteriors = responsibilities(torch.tensor([[0.0, 0.0], [9.0, 9.0]]), [0.0, 1.0])
+    assert torch.equal(posteriors[0], torch.zeros(2)) and mixture_of(posteriors) == [0.0, 1.0]
+
+
+# -- the weighted local loss -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("regression", [False, True])
+def test_per_example_losses_average_to_the_models_own_loss(regression):
+    model = small_model("mlp", (4,), 1 if regression else 3, hidden=(5,), regression=regression)
+    generator = torch.Generator().manual_seed(0)
+    inputs = torch.randn(6, 4, generator=generator)
+    labels = torch.randn(6, 1, generator=generator) if regression else torch.arange(6) % 3
+    output = model(inputs=inputs, labels=labels)
+    losses = example_loss(model, output.logits, labels)
+    assert losses.shape == (6,)
+    torch.testing.assert_close(losses.mean(), output.loss)
+
+
+def test_a_language_models_example_loss_is_its_mean_next_token_loss(tiny_model, tokens):
+    output = tiny_model(input_ids=tokens, labels=tokens)
+    torch.testing.assert_close(example_loss(tiny_model, output.logits, tokens).mean(), output.loss)
+
+
+class _Rows:
+    def __init__(self, inputs: torch.Tensor, labels: torch.Tensor) -> None:
+        self.inputs, self.labels = inputs, labels
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def batch(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"inputs": self.inputs[rows], "labels": self.labels[rows]}
+
+
+def test_a_weighted_step_follows_the_weighted_loss():
+    """One SGD step on a batch with weights q moves the model by −lr · ∇ mean(q · loss)."""
+    torch.manual_seed(0)
+    method = validate_recipe(yaml.safe_load(TINY_FEDSOFT.read_text()) | {"methods": ["fedem"]}).method(0)
+    model = small_model("mlp", (4,), 3, hidden=(5,))
+    rows = _Rows(torch.randn(6, 4), torch.arange(6) % 3)
+    weights = torch.tensor([1.0, 0.0, 0.5, 0.0, 2.0, 0.25])
+    batch = WeightedExamples(rows, weights).batch(torch.arange(6))
+    expected = {name: param.detach().clone() for name, param in model.named_parameters()}
+    loss = (example_loss(model, model(inputs=rows.inputs).logits, rows.labels) * weights).mean()
+    gradients = dict(zip(expected, torch.autograd.grad(loss, list(model.parameters())), strict=True))
+    trainer = DeviceTrainer(model, method, TrainingConfig(lr=0.1, lr_schedule="constant", optimizer="sgd",
+                                                          grad_clip=None))
+    assert trainer.expert_step(batch) == pytest.approx(float(loss.detach()))
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.detach(), expected[name] - 0.1 * gradients[name])
+
+
+# -- the device's round ----------------------------------------------------------------------------------------
+
+
+def test_a_device_sets_pi_by_em_trains_every_centre_and_sends_all_of_them(tmp_path):
+    job = _fedem_job(tmp_path)
+    state = RecordDict()
+    trainer = dev.restore_trainer(job, 0, None, state)
+    centres = dev.received_centres(job, None)
+    chosen = dev.anchor_to_centres(job, 0, trainer, None, state, server_round=1)
+    pi = [chosen["importance_0"], chosen["importance_1"]]
+    assert sum(pi) == pytest.approx(1.0) and pi != pytest.approx([0.5, 0.5])
+    assert list(state["importance"]["u"]) == pi, "π is the device's, kept for its next E-step"
+    assert trainer.anchors.posteriors.shape == (2, len(dev.centre_examples(job, 0)))
+    assert trainer.anchors.penalty(trainer.trainable) is None, "FedEM has no proximal term"
+    dev.run_local_procedure(job, 0, trainer, seed=0)
+    tensors, records = dev.upload(job, trainer)
+    assert set(tensors) == set(dev.upload_reference(job, 0)) == {centre_key(s, "net.1.weight") for s in range(2)}
+    trained = split_centres(tensors)
+    for centre in range(2):
+        assert not torch.equal(trained[centre]["net.1.weight"], centres[centre]["net.1.weight"]), "trained"
+    assert records["mixture"]["pi"] == pi
+    evaluated = dev.restore_model(job, 0, None, state)
+    dev.local_model_of(job, 0, evaluated, trained, state)
+    best = max(range(2), key=pi.__getitem__)
+    torch.testing.assert_close(evaluated.state_dict()["net.1.weight"], trained[best]["net.1.weight"])
+
+
+def test_the_server_averages_each_centre_by_example_count_whatever_the_mixtures():
+    rule = CentreRule(clusters=2, every_centre=True)
+
+    def update(device: int, values: tuple[float, float], examples: int, pi: tuple[float, float]) -> Update:
+        tensors = {centre_key(s, "w"): torch.tensor([values[s]]) for s in range(2)}
+        return Update(device, tensors, examples, mixture=pi)
+
+    slots = rule.aggregate(rule.initial_slots(), [update(0, (1.0, 10.0), 30, (0.9, 0.1)),
+                                                  update(1, (3.0, 20.0), 10, (0.2, 0.8))])
+    assert float(slots["cluster_0"]["w"]) == pytest.approx((30 * 1.0 + 10 * 3.0) / 40)
+    assert float(slots["cluster_1"]["w"]) == pytest.approx((30 * 10.0 + 10 * 20.0) / 40)
+    assert set(rule.reference(slots, 0)) == {centre_key(0, "w"), centre_key(1, "w")}
+
+
+def test_fedem_with_privacy_is_refused_with_the_fix():
+    raw = yaml.safe_load(TINY_FEDSOFT.read_text())
+    raw.update(methods=["fedem"], privacy={"clip_norm": 1.0, "noise_multiplier": 0.5})
+    with pytest.raises(UserError, match="drop them or the recipe's privacy: section"):
+        validate_recipe(raw)
+
+
+def test_fedem_on_a_hugging_face_model_trains_cluster_adapters_not_whole_copies():
+    raw = yaml.safe_load((Path(__file__).parent / "recipes" / "tiny-fedsoft-lm.yaml").read_text())
+    raw["methods"] = ["fedem"]
+    assert validate_recipe(raw).method(0).layouts[0].attention_lora == "shared"
+    raw["fedsoft"].pop("lora_rank")
+    with pytest.raises(UserError, match=r"fedsoft\.lora_rank"):
+        validate_recipe(raw)
