@@ -23,6 +23,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from ondevice_moe.errors import UserError
 from ondevice_moe.layout import ExpertSizes, Layout
 from ondevice_moe.methods.base import CentreProcedure, Method, MethodContext, Procedure, Sharing, same_for_all
@@ -71,21 +73,22 @@ def fedsoft(options: FedSoftOptions, context: MethodContext) -> Method:
                   sharing=Sharing(devices_keep_models=True))
 
 
+def _unanchored(name: str, assignment: Literal["hard", "em"], options: FedSoftOptions, context: MethodContext,
+                every_centre: bool = False) -> Method:
+    """A method whose clients train centres themselves, without a proximal term (IFCA, FedEM)."""
+    layout = _layout(options)
+    return Method(name, same_for_all(context.num_users, layout),
+                  procedure=Procedure(full_finetune=layout is None,
+                                      centres=CentreProcedure(assignment, lora_spread=options.centre_spread)),
+                  server_rule=CentreRule(clusters=_clusters(options, context), seed=context.seed,
+                                         every_centre=every_centre))
+
+
 def ifca(options: FedSoftOptions, context: MethodContext) -> Method:
     """IFCA: each client trains its lowest-loss centre; centres are averaged over their clients by n_k."""
-    clusters = _clusters(options, context)
-    layout = _layout(options)
-    return Method("ifca", same_for_all(context.num_users, layout),
-                  procedure=Procedure(full_finetune=layout is None,
-                                      centres=CentreProcedure("hard", lora_spread=options.centre_spread)),
-                  server_rule=CentreRule(clusters=clusters, seed=context.seed))
+    return _unanchored("ifca", "hard", options, context)
 
 
 def fedem(options: FedSoftOptions, context: MethodContext) -> Method:
     """FedEM: E-step responsibilities, every centre trained on its weighted loss, centres averaged by n_k."""
-    clusters = _clusters(options, context)
-    layout = _layout(options)
-    return Method("fedem", same_for_all(context.num_users, layout),
-                  procedure=Procedure(full_finetune=layout is None,
-                                      centres=CentreProcedure("em", lora_spread=options.centre_spread)),
-                  server_rule=CentreRule(clusters=clusters, seed=context.seed, every_centre=True))
+    return _unanchored("fedem", "em", options, context, every_centre=True)
