@@ -15,7 +15,7 @@ from ondevice_moe.export import export_user
 from ondevice_moe.federation import device as dev
 from ondevice_moe.federation.job import Job
 from ondevice_moe.likelihood import block_nll
-from ondevice_moe.methods.fedsoft.centres import example_losses
+from ondevice_moe.methods.fedsoft.centres import example_losses, split_centres
 from ondevice_moe.recipe import load_recipe
 
 TINY = Path(__file__).parent / "recipes" / "tiny-fedsoft-lm.yaml"
@@ -91,3 +91,23 @@ def test_each_source_is_scored_alone_by_every_centre_and_a_centre_exports_as_a_p
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     with pytest.raises(UserError, match="never formed"):
         dev.load_centre(job, 5, model)
+
+
+def test_a_fedem_round_trains_both_lora_centres_on_weighted_blocks_and_sends_both(tmp_path):
+    job = _job(tmp_path, ["methods=[fedem]"])
+    state = RecordDict()
+    trainer = dev.restore_trainer(job, 0, None, state)
+    received = dev.received_centres(job, None)
+    chosen = dev.anchor_to_centres(job, 0, trainer, None, state, server_round=1)
+    assert sum(chosen.values()) == pytest.approx(1.0)
+    assert trainer.anchors.posteriors.shape == (2, dev.device_split(job, 0, "train").shape[0])
+    metrics, blocks = dev.run_local_procedure(job, 0, trainer, seed=0)
+    assert metrics["train_loss"] > 0 and blocks == trainer.anchors.posteriors.shape[1]
+    tensors, records = dev.upload(job, trainer)
+    reference = dev.upload_reference(job, 0)
+    assert set(tensors) == set(reference) and all(".adapters.shared." in name for name in tensors)
+    assert all(tensors[name].shape == reference[name].shape for name in tensors)
+    for centre, trained in split_centres(tensors).items():
+        moved = [name for name in trained if not torch.equal(trained[name], received[centre][name])]
+        assert moved, f"centre {centre} was not trained"
+    assert records["mixture"]["pi"] == [chosen["importance_0"], chosen["importance_1"]]
