@@ -44,7 +44,7 @@ def export_user(run_dir: Path, method: str, user: str, to: Path, experts: list[s
     """Export ``user``'s model of ``method`` from ``run_dir`` into ``to`` (see the module docstring).
 
     ``experts``: ``["shared"]`` (default), ``["all"]`` or expert names; ``device`` overrides
-    the recipe's ``model.device``; ``centre``: FedSoft's or IFCA's cluster centre ``centre`` (the
+    the recipe's ``model.device``; ``centre``: FedSoft's, IFCA's or FedEM's cluster centre ``centre`` (the
     server's) in place of the user's shared tensors — for a new user, the centre that fits it
     (FedSoft §5). Bad input is a :class:`UserError` before anything is written.
     """

@@ -493,7 +493,7 @@ def load_centre(job: Job, centre: int, model: nn.Module) -> None:
     from safetensors.torch import load_file
 
     if job.method.procedure.centres is None:
-        raise UserError(f"method '{job.method.name}' has no cluster centres", "export a fedsoft or ifca method")
+        raise UserError(f"method '{job.method.name}' has no cluster centres", "export a fedsoft, ifca or fedem method")
     path = server_checkpoint_path(job)
     if not path.is_file():
         raise UserError(f"no centres for method '{job.method.name}': {path} is missing",
