@@ -488,7 +488,7 @@ def save_server_checkpoint(job: Job, tensors: dict[str, torch.Tensor]) -> None:
 
 
 def load_centre(job: Job, centre: int, model: nn.Module) -> None:
-    """Load cluster centre ``centre`` of a finished FedSoft or IFCA run into ``model``; a method
+    """Load cluster centre ``centre`` of a finished FedSoft, IFCA or FedEM run into ``model``; a method
     without centres, a centre the server never formed or a missing file ends with a clear message."""
     from safetensors.torch import load_file
 
