@@ -408,7 +408,8 @@ def upload(job: Job, trainer: DeviceTrainer) -> tuple[dict[str, torch.Tensor], d
     """What the device sends after a round: its shared tensors and the numbers the server
     weighs them by — ``usage``: each uploaded expert tensor's usage count, when the server
     weighs experts by usage (Hermes); ``mixture``: the client's ``π`` (FLoRAL Alg. 1 line 12),
-    or its weights over the cluster centres (FedSoft's ``u_k``, IFCA's one-hot choice)."""
+    or its weights over the cluster centres (FedSoft's ``u_k``, IFCA's one-hot choice, FedEM's π).
+    FedEM's tensors are every centre it trained (``trainer.uploads``), not the model's."""
     tensors = shared_state(trainer) if trainer.uploads is None else trainer.uploads
     records: dict[str, dict] = {}
     if job.method.sharing.selected_only:
