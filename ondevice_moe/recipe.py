@@ -476,7 +476,7 @@ class Recipe(_Section):
             raise ValueError(f"methods {whole_centres} would keep whole copies of a Hugging Face model as cluster "
                              "centres; give them cluster adapters: set fedsoft.lora_rank (e.g. 8)")
         every_centre = [m.name for m in built if m.procedure.centres is not None
-                        and m.procedure.centres.assignment == "em"]
+                        and m.procedure.centres.trains_every_centre]
         if every_centre and self.privacy.enabled:
             raise ValueError(f"methods {every_centre} send every cluster centre, and privacy clips and noises the "
                              "update of one model; drop them or the recipe's privacy: section")

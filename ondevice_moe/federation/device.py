@@ -306,13 +306,14 @@ def anchor_to_centres(job: Job, device: int, trainer: DeviceTrainer, arrays: Arr
         return {"centre": chosen}
     if (server_round - 1) % procedure.estimation_interval == 0 or IMPORTANCE_KEY not in state:
         state[IMPORTANCE_KEY] = ConfigRecord({"u": importance_weights(losses, procedure.importance_floor)})
-    weights = [float(u) for u in state[IMPORTANCE_KEY]["u"]]
+    weights = _mixture(state, len(centres))
     trainer.anchors = ProximalAnchors(ordered, tuple(weights), procedure.proximal_lambda)
     return {f"importance_{centre}": weight for centre, weight in enumerate(weights)}
 
 
 def _mixture(state: RecordDict, clusters: int) -> list[float]:
-    """FedEM's π as the device last set it, uniform before its first round."""
+    """The device's weights over the centres as it last set them (FedSoft's u_k, FedEM's π),
+    uniform before its first round."""
     if IMPORTANCE_KEY in state:
         return [float(weight) for weight in state[IMPORTANCE_KEY]["u"]]
     return [1.0 / clusters] * clusters
@@ -401,7 +402,7 @@ def upload_reference(job: Job, device: int) -> dict[str, torch.Tensor]:
 
 def _trains_every_centre(job: Job) -> bool:
     """FedEM: the device trains and sends every centre."""
-    return job.method.procedure.centres is not None and job.method.procedure.centres.assignment == "em"
+    return job.method.procedure.centres is not None and job.method.procedure.centres.trains_every_centre
 
 
 def upload(job: Job, trainer: DeviceTrainer) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:

@@ -77,6 +77,11 @@ class CentreProcedure:
     importance_floor: float = 0.0
     lora_spread: float = 0.0
 
+    @property
+    def trains_every_centre(self) -> bool:
+        """FedEM: the device trains and sends every centre, not one model."""
+        return self.assignment == "em"
+
 
 @dataclass(frozen=True)
 class FlowProcedure:
