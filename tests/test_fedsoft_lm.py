@@ -15,7 +15,7 @@ from ondevice_moe.export import export_user
 from ondevice_moe.federation import device as dev
 from ondevice_moe.federation.job import Job
 from ondevice_moe.likelihood import block_nll
-from ondevice_moe.methods.fedsoft.centres import example_losses, split_centres
+from ondevice_moe.methods.fedsoft.centres import example_losses, mixture_of, responsibilities, split_centres
 from ondevice_moe.recipe import load_recipe
 
 TINY = Path(__file__).parent / "recipes" / "tiny-fedsoft-lm.yaml"
@@ -111,3 +111,24 @@ def test_a_fedem_round_trains_both_lora_centres_on_weighted_blocks_and_sends_bot
         moved = [name for name in trained if not torch.equal(trained[name], received[centre][name])]
         assert moved, f"centre {centre} was not trained"
     assert records["mixture"]["pi"] == [chosen["importance_0"], chosen["importance_1"]]
+
+
+@pytest.mark.parametrize("block_loss", ["sum", "mean"])
+def test_fedems_e_step_scores_a_block_by_its_summed_token_loss_or_the_codes_mean(tmp_path, block_loss):
+    """The paper's E-step weighs a block by its likelihood, exp(−Σ token losses); the authors'
+    code by exp(−mean token loss). The device's π is the mean of whichever posteriors."""
+    job = _job(tmp_path, ["methods=[fedem]", f"fedsoft.fedem_block_loss={block_loss}"])
+    trainer = dev.restore_trainer(job, 0, None, RecordDict())
+    chosen = dev.anchor_to_centres(job, 0, trainer, None, RecordDict(), server_round=1)
+    blocks = dev.device_split(job, 0, "train")
+    model = dev.build_model(job, 0)
+    summed = []
+    for centre in (0, 1):
+        model.load_state_dict(dev.initial_centre(job, centre), strict=False)
+        summed.append(block_nll(model, blocks, 8))
+    scores = torch.stack(summed) / (1 if block_loss == "sum" else blocks.shape[1] - 1)
+    expected = responsibilities(scores, [0.5, 0.5])
+    tempered = responsibilities(torch.stack(summed) / (blocks.shape[1] - 1), [0.5, 0.5])
+    assert (responsibilities(torch.stack(summed), [0.5, 0.5]) - tempered).abs().max() > 1e-3, "the two differ"
+    torch.testing.assert_close(trainer.anchors.posteriors, expected, rtol=1e-4, atol=1e-4)
+    assert [chosen["importance_0"], chosen["importance_1"]] == pytest.approx(mixture_of(expected), abs=1e-4)

@@ -30,6 +30,7 @@ from ondevice_moe.methods.fedsoft.centres import (
     centre_key,
     centre_losses,
     centre_seed,
+    example_nll,
     hard_assignment,
     importance_weights,
     mixture_of,
@@ -290,10 +291,12 @@ def anchor_to_centres(job: Job, device: int, trainer: DeviceTrainer, arrays: Arr
     Either way the weights travel with the update (:func:`upload`)."""
     procedure = job.method.procedure.centres
     centres = received_centres(job, arrays)
-    losses = centre_losses(copy.deepcopy(trainer.model), centres, centre_examples(job, device))
+    examples = centre_examples(job, device)
+    losses = centre_losses(copy.deepcopy(trainer.model), centres, examples)
     ordered = tuple(centres[c] for c in sorted(centres))
     if procedure.assignment == "em":
-        posteriors = responsibilities(losses, _mixture(state, len(centres)))
+        scores = example_nll(losses, examples, procedure.block_loss)
+        posteriors = responsibilities(scores, _mixture(state, len(centres)))
         mixture = mixture_of(posteriors)
         state[IMPORTANCE_KEY] = ConfigRecord({"u": mixture})
         trainer.anchors = ProximalAnchors(ordered, tuple(mixture), 0.0, posteriors)

@@ -68,7 +68,8 @@ class CentreProcedure:
     ``em`` (FedEM, Marfoq et al. 2021): the device weighs each example over all centres (E-step),
     sets its mixture π from them (M-step) and trains every centre on its weighted loss.
     ``lora_spread``: the std of a LoRA centre's ``B`` at the start (cluster adapters on a
-    Hugging Face model; the centres must start apart).
+    Hugging Face model; the centres must start apart). ``block_loss``: FedEM's E-step score of a
+    block of text, its summed (``sum``, the paper) or mean (``mean``, the authors' code) token loss.
     """
 
     assignment: Literal["soft", "hard", "em"]
@@ -76,6 +77,7 @@ class CentreProcedure:
     estimation_interval: int = 1
     importance_floor: float = 0.0
     lora_spread: float = 0.0
+    block_loss: Literal["sum", "mean"] = "sum"
 
     @property
     def trains_every_centre(self) -> bool:

@@ -103,6 +103,17 @@ def responsibilities(losses: torch.Tensor, mixture: Sequence[float]) -> torch.Te
     return torch.softmax(prior - losses.double(), dim=0)
 
 
+def example_nll(losses: torch.Tensor, examples, block_loss: str) -> torch.Tensor:
+    """What FedEM's E-step scores an example by: its negative log-likelihood ``−log p(x_i)``
+    (Marfoq et al., 2021, Assumption 2: ``p = exp(−ℓ)``). The ``(S, n)`` ``losses`` are per-example
+    mean losses; a block of text's likelihood is the product over its tokens, so ``sum`` scales a
+    block's mean by the tokens scored. ``mean`` keeps the mean per token, as the authors' code does
+    (``LanguageModelingLearner.gather_losses``), tempering the posteriors by that count."""
+    if block_loss == "sum" and isinstance(examples, BlockExamples):
+        return losses * (examples.blocks.shape[1] - 1)
+    return losses
+
+
 def mixture_of(posteriors: torch.Tensor) -> list[float]:
     """FedEM's M-step for the client's mixture (Alg. 1): ``π_s = (1/n) Σ_i q(z_i = s)``."""
     return [float(weight) for weight in posteriors.mean(dim=1)]

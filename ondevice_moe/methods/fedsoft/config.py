@@ -6,6 +6,8 @@ an entry may override them (``{name: fedsoft, proximal_lambda: 0, label: local}`
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from ondevice_moe.methods.base import MethodOptions
@@ -24,7 +26,11 @@ class FedSoftSizes(BaseModel):
     trains and sends the whole model, as on the small models); ``centre_spread``: the std of
     each LoRA centre's ``B`` at the start. FedSoft's code draws its centres from N(0, σ0²); a
     zero ``B``, LoRA's usual start, would start every centre as the same model, and centres
-    averaged from the same clients would stay equal."""
+    averaged from the same clients would stay equal. ``fedem_block_loss``: how FedEM's E-step scores
+    a block of text. ``sum`` (the paper: an example's likelihood is ``exp(−ℓ)``, Marfoq et al. 2021,
+    Assumption 2, and a block's log-likelihood is the sum over its tokens) or ``mean`` (the authors'
+    code, ``LanguageModelingLearner.gather_losses``: the mean per token, which tempers the E-step's
+    posteriors by one over the tokens scored). Examples that are not blocks are scored by their loss."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -35,6 +41,7 @@ class FedSoftSizes(BaseModel):
     selection_size: int | None = Field(None, ge=1)
     lora_rank: int | None = Field(None, ge=1)
     centre_spread: float = Field(0.02, ge=0)
+    fedem_block_loss: Literal["sum", "mean"] = "sum"
 
 
 class FedSoftOptions(FedSoftSizes, MethodOptions):

@@ -79,7 +79,8 @@ def _unanchored(name: str, assignment: Literal["hard", "em"], options: FedSoftOp
     layout = _layout(options)
     return Method(name, same_for_all(context.num_users, layout),
                   procedure=Procedure(full_finetune=layout is None,
-                                      centres=CentreProcedure(assignment, lora_spread=options.centre_spread)),
+                                      centres=CentreProcedure(assignment, lora_spread=options.centre_spread,
+                                                              block_loss=options.fedem_block_loss)),
                   server_rule=CentreRule(clusters=_clusters(options, context), seed=context.seed,
                                          every_centre=every_centre))
 
