@@ -103,6 +103,8 @@ VALUE_KEYS = {"test_ppl_in": "in", "test_ppl_out": "out", "score": "score",
 CENTRE_KEY = re.compile(r"centre_(\d+)_source_(\d+)")
 # A round's timing (``round`` records of metrics.jsonl), kept per round in summary.json.
 ROUND_KEYS = ("round", "wall_s", "slowest_client_s", "busiest_worker_s", "workers", "overhead")
+# FedEM's mixture prediction: per-user keys with this suffix, summarised as a method ``<method>-mixture``.
+MIXTURE_SUFFIX = "_mixture"
 # Per-user uncertainty kept beside the values in summary.json (not averaged into mean/std).
 ERROR_KEYS = {"test_nll_se_in": "nll_se_in", "test_nll_se_out": "nll_se_out"}
 
@@ -128,22 +130,8 @@ def summarize(records: list[dict[str, Any]], methods: list[str], users: list[str
         final = {r["user"]: r for r in evals if r["round"] == last_round}
         if set(final) != set(users):
             continue
-        keys = {key: short for key, short in VALUE_KEYS.items() if key in final[users[0]]}
         comm = [r for r in records if r["method"] == method and r["kind"] == "comm"]
-        entry: dict[str, Any] = {
-            "rounds": last_round,
-            "per_user": {u: {**{short: final[u][key] for key, short in keys.items()},
-                             **{short: final[u][key] for key, short in ERROR_KEYS.items() if key in final[u]}}
-                         for u in users},
-        }
-        for key, short in keys.items():
-            entry[f"mean_{short}"], entry[f"std_{short}"] = _mean_std([final[u][key] for u in users])
-        if "score_global" in keys:  # Flow Table 3: the share of clients with Acc_p > Acc_g
-            entry["benefiting_pct"] = 100.0 * statistics.fmean(
-                final[u]["score"] > final[u]["score_global"] for u in users)
-        if "test_ppl_in_global" in keys:  # ... and on a language model, with ppl_p < ppl_g
-            entry["benefiting_pct"] = 100.0 * statistics.fmean(
-                final[u]["test_ppl_in"] < final[u]["test_ppl_in_global"] for u in users)
+        entry: dict[str, Any] = {"rounds": last_round, **_values(final, users)}
         entry["upload_bytes_per_round"] = statistics.fmean(r["bytes_up"] for r in comm) if comm else 0.0
         # Tensors outside experts and routers: the task head (pooler, classifier), or the base for fed-ft.
         entry["upload_outside_experts_bytes_per_round"] = (
@@ -160,11 +148,34 @@ def summarize(records: list[dict[str, Any]], methods: list[str], users: list[str
         if centres:
             entry["centres"] = centres
         summary["methods"][method] = entry
+        mixed = {u: {key.removesuffix(MIXTURE_SUFFIX): value for key, value in final[u].items()
+                     if key.endswith(MIXTURE_SUFFIX)} for u in users}
+        if mixed[users[0]]:  # FedEM's own prediction, a method of its own beside its centre of largest π
+            summary["methods"][f"{method}-mixture"] = {
+                **{key: value for key, value in entry.items() if key != "centres"}, **_values(mixed, users)}
     timing = {method: sorted(({key: r[key] for key in ROUND_KEYS} for r in records
                               if r["method"] == method and r["kind"] == "round"), key=lambda r: r["round"])
               for method in summary["methods"]}
     summary["round_overhead"] = {method: rows for method, rows in timing.items() if rows}
     return summary
+
+
+def _values(final: dict[str, dict[str, Any]], users: list[str]) -> dict[str, Any]:
+    """Each user's final values by short name (``VALUE_KEYS``, ``ERROR_KEYS``), their mean and std
+    over users, and Flow's share of clients whose personalised model beats the global one."""
+    keys = {key: short for key, short in VALUE_KEYS.items() if key in final[users[0]]}
+    values: dict[str, Any] = {
+        "per_user": {u: {**{short: final[u][key] for key, short in keys.items()},
+                         **{short: final[u][key] for key, short in ERROR_KEYS.items() if key in final[u]}}
+                     for u in users}}
+    for key, short in keys.items():
+        values[f"mean_{short}"], values[f"std_{short}"] = _mean_std([final[u][key] for u in users])
+    if "score_global" in keys:  # Flow Table 3: the share of clients with Acc_p > Acc_g
+        values["benefiting_pct"] = 100.0 * statistics.fmean(final[u]["score"] > final[u]["score_global"] for u in users)
+    if "test_ppl_in_global" in keys:  # ... and on a language model, with ppl_p < ppl_g
+        values["benefiting_pct"] = 100.0 * statistics.fmean(
+            final[u]["test_ppl_in"] < final[u]["test_ppl_in_global"] for u in users)
+    return values
 
 
 def table_rows(summary: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
@@ -227,7 +238,7 @@ def write_report(run_dir: Path, recipe_name: str, summary: dict[str, Any], plots
              "Each client on its own test split; mean (std) over clients.")
     caption = f"{score_title(summary)}. {where}"
     lines = [f"# {recipe_name}", "", *(f"- {fact}" for fact in facts), *([""] if facts else []),
-             caption, "", markdown_table(summary), "", *_centres_section(summary),
+             caption, "", markdown_table(summary), "", *_mixture_note(summary), *_centres_section(summary),
              *_personalisation_section(summary), *_privacy_section(summary), *_drops_section(summary),
              *_overhead_section(summary)]
     lines += [f"![{p.stem}](plots/{p.name})" for p in plots]
@@ -251,6 +262,16 @@ def centre_table(centres: dict[str, float], lower_is_better: bool) -> str:
         lines.append(f"| θ_{source} | " + " | ".join(f"**{v:.2f}**" if v == best else f"{v:.2f}" for v in values)
                      + " |")
     return "\n".join(lines)
+
+
+def _mixture_note(summary: dict[str, Any]) -> list[str]:
+    """What a ``<method>-mixture`` row is, when the table has one (FedEM)."""
+    mixtures = [name for name in summary["methods"] if name.endswith("-mixture")]
+    if not mixtures:
+        return []
+    return [f"`{name}`: {name.removesuffix('-mixture')}'s own prediction, each client's π-mixture of the centres' "
+            f"outputs (Marfoq et al. 2021); `{name.removesuffix('-mixture')}`: its centre of largest π (FedSoft §5)."
+            for name in mixtures] + [""]
 
 
 def _centres_section(summary: dict[str, Any]) -> list[str]:

@@ -15,10 +15,13 @@ from ondevice_moe.example_loss import WeightedExamples, example_loss
 from ondevice_moe.federation import device as dev
 from ondevice_moe.federation.aggregation import Update
 from ondevice_moe.federation.job import Job
+from ondevice_moe.likelihood import block_nll
 from ondevice_moe.methods.fedsoft.centres import centre_key, mixture_of, responsibilities, split_centres
+from ondevice_moe.methods.fedsoft.prediction import CentreMixture
 from ondevice_moe.methods.fedsoft.rule import CentreRule
 from ondevice_moe.models.small import small_model
 from ondevice_moe.recipe import load_recipe, validate_recipe
+from ondevice_moe.report import summarize, write_report
 from ondevice_moe.training import DeviceTrainer, TrainingConfig
 
 TINY_FEDSOFT = Path(__file__).parent / "recipes" / "tiny-fedsoft.yaml"
@@ -152,3 +155,67 @@ def test_fedem_on_a_hugging_face_model_trains_cluster_adapters_not_whole_copies(
     raw["fedsoft"].pop("lora_rank")
     with pytest.raises(UserError, match=r"fedsoft\.lora_rank"):
         validate_recipe(raw)
+
+
+# -- FedEM's own prediction: the π-mixture of the centres --------------------------------------------------------
+
+
+def _two_centres(model: torch.nn.Module) -> list[dict[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(1)
+    return [{name: tensor + torch.randn(tensor.shape, generator=generator) for name, tensor in
+             model.state_dict().items() if tensor.is_floating_point()} for _ in range(2)]
+
+
+def _outputs(model: torch.nn.Module, centres: list[dict[str, torch.Tensor]], **inputs) -> list[torch.Tensor]:
+    rows = []
+    for centre in centres:
+        model.load_state_dict(centre, strict=False)
+        rows.append(model(**inputs).logits.detach().float())
+    return rows
+
+
+def test_a_classifiers_mixture_predicts_the_pi_weighted_class_distribution():
+    model = small_model("mlp", (4,), 3, hidden=(5,))
+    centres, inputs = _two_centres(model), torch.randn(6, 4, generator=torch.Generator().manual_seed(2))
+    first, second = _outputs(model, centres, inputs=inputs)
+    mixed = CentreMixture(model, centres, [0.3, 0.7])(inputs=inputs).logits
+    expected = 0.3 * first.softmax(-1) + 0.7 * second.softmax(-1)
+    torch.testing.assert_close(mixed.softmax(-1), expected)
+    torch.testing.assert_close(mixed.exp().sum(-1), torch.ones(6))  # log-probabilities: nothing to renormalise
+    only_second = CentreMixture(model, centres, [0.0, 1.0])(inputs=inputs).logits
+    assert torch.equal(only_second.argmax(-1), second.argmax(-1))
+
+
+def test_a_regressors_mixture_predicts_the_pi_weighted_mean():
+    model = small_model("mlp", (4,), 1, hidden=(5,), regression=True)
+    centres, inputs = _two_centres(model), torch.randn(6, 4, generator=torch.Generator().manual_seed(2))
+    first, second = _outputs(model, centres, inputs=inputs)
+    torch.testing.assert_close(CentreMixture(model, centres, [0.25, 0.75])(inputs=inputs).logits,
+                               0.25 * first + 0.75 * second)
+
+
+def test_a_language_models_mixture_scores_each_token_by_the_mixed_probability(tiny_model, tokens):
+    centres = _two_centres(tiny_model)
+    first, second = _outputs(tiny_model, centres, input_ids=tokens)
+    mixed = 0.4 * first.softmax(-1) + 0.6 * second.softmax(-1)
+    expected = -mixed[:, :-1].gather(-1, tokens[:, 1:].unsqueeze(-1)).log().sum(dim=(1, 2))
+    nll = block_nll(CentreMixture(tiny_model, centres, [0.4, 0.6]), tokens, batch_size=1)
+    torch.testing.assert_close(nll, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_a_mixture_needs_one_weight_per_centre():
+    model = small_model("mlp", (4,), 3, hidden=(5,))
+    with pytest.raises(ValueError, match="2 centres but 3"):
+        CentreMixture(model, _two_centres(model), [0.2, 0.3, 0.5])
+
+
+def test_the_summary_and_report_list_fedems_mixture_prediction_as_a_method_of_its_own(tmp_path):
+    records = [{"kind": "eval", "method": "fedem", "round": 3, "user": user, "score": score,
+                "score_mixture": mixture, "user_index": index}
+               for index, (user, score, mixture) in enumerate([("a", 10.0, 8.0), ("b", 20.0, 12.0)])]
+    methods = summarize(records, ["fedem"], ["a", "b"], metric="mse")["methods"]
+    assert methods["fedem"]["mean_score"] == 15.0 and methods["fedem-mixture"]["mean_score"] == 10.0
+    assert methods["fedem-mixture"]["per_user"] == {"a": {"score": 8.0}, "b": {"score": 12.0}}
+    report = (write_report(tmp_path, "fedem", summarize(records, ["fedem"], ["a", "b"], metric="mse"), [])
+              .read_text(encoding="utf-8"))
+    assert "`fedem-mixture`: fedem's own prediction" in report and "| fedem-mixture | 8.00 | 12.00 |" in report

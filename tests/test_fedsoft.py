@@ -279,7 +279,7 @@ def test_two_centres_separate_on_a_10_90_mixture_of_two_sources(tmp_path, method
     """Six clients, two synthetic regression sources mixed 10:90 and 90:10 (FedSoft §5): matched
     to sources by the best assignment, each centre has a lower MSE on its own source than on the
     other (the diagonal of Table 1), and each client's larger importance (FedEM: its π) sits on
-    the centre of its majority source."""
+    the centre of its majority source. FedEM's mixture prediction is scored for every client."""
     raw = yaml.safe_load(TINY_FEDSOFT.read_text())
     raw["methods"] = [method]
     result = runner.run_recipe(validate_recipe(raw), tmp_path / "run")
@@ -296,3 +296,6 @@ def test_two_centres_separate_on_a_10_90_mixture_of_two_sources(tmp_path, method
     for client, weights in final.items():
         majority = 1 if int(client.removeprefix("client_")) < 3 else 0  # clients 0-2 hold 10 % of source 0
         assert match[int(np.argmax(weights))] == majority, (final, match)
+    if method == "fedem":  # its own prediction, the π-mixture of the centres, scored beside its centre of largest π
+        mixture = result.summary["methods"]["fedem-mixture"]["per_user"]
+        assert set(mixture) == set(final) and mixture != result.summary["methods"]["fedem"]["per_user"]

@@ -30,7 +30,7 @@ from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from ondevice_moe.federation import device as dev
-from ondevice_moe.federation.evaluation import centre_scores, evaluate_device
+from ondevice_moe.federation.evaluation import centre_scores, evaluate_device, mixture_scores
 from ondevice_moe.federation.faults import fault_mod
 from ondevice_moe.federation.job import Job, job_from_context
 from ondevice_moe.federation.privacy import noise_generator, privatize
@@ -116,8 +116,10 @@ def evaluate(msg: Message, context: Context) -> Message:
     scores = {}
     if centred:
         centres = dev.received_centres(job, arrays)
+        if job.method.procedure.centres.trains_every_centre:  # FedEM: its mixture prediction too
+            scores = mixture_scores(job, device, model, centres, dev.device_mixture(context.state, len(centres)))
         dev.local_model_of(job, device, model, centres, context.state)
-        scores = centre_scores(job, model, centres) if device == 0 else {}
+        scores |= centre_scores(job, model, centres) if device == 0 else {}
     metrics = {**evaluate_device(job, device, model), **scores}
     metrics["device"] = device
     if msg.content["config"].get("final", False) and job.method.trains:

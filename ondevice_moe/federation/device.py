@@ -296,7 +296,7 @@ def anchor_to_centres(job: Job, device: int, trainer: DeviceTrainer, arrays: Arr
     ordered = tuple(centres[c] for c in sorted(centres))
     if procedure.assignment == "em":
         scores = example_nll(losses, examples, procedure.block_loss)
-        posteriors = responsibilities(scores, _mixture(state, len(centres)))
+        posteriors = responsibilities(scores, device_mixture(state, len(centres)))
         mixture = mixture_of(posteriors)
         state[IMPORTANCE_KEY] = ConfigRecord({"u": mixture})
         trainer.anchors = ProximalAnchors(ordered, tuple(mixture), 0.0, posteriors)
@@ -309,12 +309,12 @@ def anchor_to_centres(job: Job, device: int, trainer: DeviceTrainer, arrays: Arr
         return {"centre": chosen}
     if (server_round - 1) % procedure.estimation_interval == 0 or IMPORTANCE_KEY not in state:
         state[IMPORTANCE_KEY] = ConfigRecord({"u": importance_weights(losses, procedure.importance_floor)})
-    weights = _mixture(state, len(centres))
+    weights = device_mixture(state, len(centres))
     trainer.anchors = ProximalAnchors(ordered, tuple(weights), procedure.proximal_lambda)
     return {f"importance_{centre}": weight for centre, weight in enumerate(weights)}
 
 
-def _mixture(state: RecordDict, clusters: int) -> list[float]:
+def device_mixture(state: RecordDict, clusters: int) -> list[float]:
     """The device's weights over the centres as it last set them (FedSoft's u_k, FedEM's π),
     uniform before its first round."""
     if IMPORTANCE_KEY in state:
@@ -333,7 +333,7 @@ def local_model_of(job: Job, device: int, model: nn.Module, centres: dict[int, T
         losses = centre_losses(copy.deepcopy(model), centres, centre_examples(job, device))
         model.load_state_dict(centres[hard_assignment(losses)], strict=False)
     elif assignment == "em":
-        mixture = _mixture(state, len(centres))
+        mixture = device_mixture(state, len(centres))
         model.load_state_dict(centres[max(range(len(mixture)), key=mixture.__getitem__)], strict=False)
 
 

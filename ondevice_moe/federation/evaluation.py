@@ -3,7 +3,8 @@
 users' test splits — CoMiGS Table 2, one split per domain under ``data.clients``; FDLoRA
 first fits its fusion weight on the validation split), the task metric for classification
 (Hermes Table 1); and FedSoft's and IFCA's centres on each source's own test set
-(FedSoft Tables 1 and 3); Flow's Acc_g, Acc_p and per-instance breakdown (Flow eq. 6–7).
+(FedSoft Tables 1 and 3); FedEM's mixture prediction beside its centre of largest π; Flow's Acc_g,
+Acc_p and per-instance breakdown (Flow eq. 6–7).
 Used by the ClientApp every round and by ``ondevice-moe eval``."""
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ from torch import nn
 from ondevice_moe.federation import device as dev
 from ondevice_moe.federation.job import Job
 from ondevice_moe.likelihood import block_nll, nll_standard_error, perplexity_of
+from ondevice_moe.methods.fedsoft.prediction import CentreMixture
 from ondevice_moe.methods.flow.metrics import flow_scores, on_both_paths
 from ondevice_moe.metrics import LOWER_IS_BETTER, task_score
+from ondevice_moe.report import MIXTURE_SUFFIX
 from ondevice_moe.routing.fusion import FUSION_BLOCKS, fit_fusion
 from ondevice_moe.training import predict
 
@@ -86,6 +89,16 @@ def _classifier(job: Job, device: int, model: nn.Module) -> dict[str, float]:
     predictions = predict(model, examples, job.recipe.task.eval_batch_size, task.is_regression)
     score = task_score(task.metric, predictions.numpy(), examples.labels.numpy())
     return {"num-examples": len(examples), f"user_{device}/score": reported(task.metric, score)}
+
+
+def mixture_scores(job: Job, device: int, model: nn.Module, centres: dict[int, dict[str, torch.Tensor]],
+                   mixture: list[float]) -> dict[str, float]:
+    """FedEM's own prediction, the π-mixture of the centres' outputs (:mod:`.prediction`), scored
+    as :func:`evaluate_device` scores a model, each per-user key suffixed ``_mixture``
+    (``user_0/test_ppl_in_mixture``)."""
+    mixed = CentreMixture(copy.deepcopy(model), [centres[s] for s in sorted(centres)], mixture)
+    return {f"{key}{MIXTURE_SUFFIX}": value for key, value in evaluate_device(job, device, mixed).items()
+            if "/" in key}
 
 
 def reported(metric: str, score: float) -> float:
