@@ -475,6 +475,11 @@ class Recipe(_Section):
         if whole_centres and not small_model:
             raise ValueError(f"methods {whole_centres} would keep whole copies of a Hugging Face model as cluster "
                              "centres; give them cluster adapters: set fedsoft.lora_rank (e.g. 8)")
+        held_out = [m.name for m in built if m.procedure.centres is not None
+                    and m.procedure.centres.scored_on == "valid"]
+        if held_out and kind != LANGUAGE:
+            raise ValueError(f"methods {held_out} score the centres on validation blocks, which only a language-"
+                             "modelling recipe has; set fedsoft.importance_split: train")
         every_centre = [m.name for m in built if m.procedure.centres is not None
                         and m.procedure.centres.trains_every_centre]
         if every_centre and self.privacy.enabled:

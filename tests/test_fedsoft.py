@@ -271,6 +271,14 @@ def test_fedsoft_on_a_hugging_face_model_needs_cluster_adapters():
     assert validate_recipe(raw).method(0).layouts[0].attention_lora == "shared"
 
 
+
+def test_scoring_the_centres_on_validation_blocks_needs_a_language_modelling_recipe():
+    raw = yaml.safe_load(TINY_FEDSOFT.read_text())
+    raw["fedsoft"] = {**raw.get("fedsoft", {}), "importance_split": "valid"}
+    with pytest.raises(UserError, match=r"importance_split: train"):
+        validate_recipe(raw)
+
+
 # -- a run ---------------------------------------------------------------------------------------------------------
 
 

@@ -58,6 +58,32 @@ def test_a_round_anchors_the_clients_lora_to_both_centres_and_sends_the_lora_wit
     assert records["mixture"]["pi"] == weights
 
 
+
+@pytest.mark.parametrize("method", ["fedsoft", "ifca"])
+def test_held_out_importances_score_the_centres_on_the_users_validation_blocks(tmp_path, method):
+    """``importance_split: valid``: u_ks (FedSoft) or the lowest-loss centre (IFCA) from the
+    centres' losses on the user's validation blocks, not its training blocks; FedEM keeps scoring
+    the blocks it trains on."""
+    job = _job(tmp_path, [f"methods=[{method}]", "fedsoft.importance_split=valid", "data.valid_tokens=300"])
+    valid, train = dev.device_split(job, 0, "valid"), dev.device_split(job, 0, "train")
+    assert 1 < valid.shape[0] < train.shape[0]
+    assert torch.equal(dev.centre_examples(job, 0).blocks, valid)
+    trainer = dev.restore_trainer(job, 0, None, RecordDict())
+    chosen = dev.anchor_to_centres(job, 0, trainer, None, RecordDict(), server_round=1)
+    model = dev.build_model(job, 0)
+    losses = []
+    for centre in (0, 1):
+        model.load_state_dict(dev.initial_centre(job, centre), strict=False)
+        losses.append(block_nll(model, valid, 8))
+    wins = (torch.stack(losses).argmin(dim=0) == 0).sum().item()
+    if method == "fedsoft":
+        assert chosen["importance_0"] == pytest.approx(max(wins / valid.shape[0], 1e-4))
+    else:
+        assert chosen["centre"] == int(torch.stack(losses).sum(dim=1).argmin())
+    fedem = _job(tmp_path, ["methods=[fedem]", "fedsoft.importance_split=valid", "data.valid_tokens=300"])
+    assert torch.equal(dev.centre_examples(fedem, 0).blocks, dev.device_split(fedem, 0, "train"))
+
+
 def test_each_source_is_scored_alone_by_every_centre_and_a_centre_exports_as_a_peft_adapter(tmp_path):
     result = runner.run_recipe(load_recipe(TINY, ["methods=[fedsoft]"]), tmp_path / "run")
     sources = dev.source_test_blocks(_job(tmp_path))

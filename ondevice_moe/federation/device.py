@@ -271,10 +271,11 @@ def _initial_adapter_centre(job: Job, centre: int) -> Tensors:
 
 
 def centre_examples(job: Job, device: int):
-    """The examples a device scores the centres on (its training examples): a language model's
-    training blocks, or a task's examples."""
+    """The examples a device scores the centres on: a language model's blocks of the method's
+    split (``CentreProcedure.scored_on``: its training blocks, or its held-out validation blocks),
+    or a task's training examples."""
     if job.recipe.is_language_modelling:
-        return BlockExamples(device_split(job, device, "train"))
+        return BlockExamples(device_split(job, device, job.method.procedure.centres.scored_on))
     return federated_task(job).train[device]
 
 

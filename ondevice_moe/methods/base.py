@@ -70,6 +70,9 @@ class CentreProcedure:
     ``lora_spread``: the std of a LoRA centre's ``B`` at the start (cluster adapters on a
     Hugging Face model; the centres must start apart). ``block_loss``: FedEM's E-step score of a
     block of text, its summed (``sum``, the paper) or mean (``mean``, the authors' code) token loss.
+    ``scored_on``: the split of a language model's blocks the centres are scored on for the
+    importances or IFCA's choice (``train``, the paper, or ``valid``); FedEM trains on its E-step's
+    weights and so always scores the training blocks.
     """
 
     assignment: Literal["soft", "hard", "em"]
@@ -78,6 +81,7 @@ class CentreProcedure:
     importance_floor: float = 0.0
     lora_spread: float = 0.0
     block_loss: Literal["sum", "mean"] = "sum"
+    scored_on: Literal["train", "valid"] = "train"
 
     @property
     def trains_every_centre(self) -> bool:

@@ -30,7 +30,13 @@ class FedSoftSizes(BaseModel):
     a block of text. ``sum`` (the paper: an example's likelihood is ``exp(−ℓ)``, Marfoq et al. 2021,
     Assumption 2, and a block's log-likelihood is the sum over its tokens) or ``mean`` (the authors'
     code, ``LanguageModelingLearner.gather_losses``: the mean per token, which tempers the E-step's
-    posteriors by one over the tokens scored). Examples that are not blocks are scored by their loss."""
+    posteriors by one over the tokens scored). Examples that are not blocks are scored by their loss.
+    ``importance_split``: the blocks of text a FedSoft or IFCA client scores the centres on (Alg. 1
+    lines 5–10; IFCA's choice): ``train`` (the paper: the client's training data) or ``valid``, the
+    held-out validation blocks of the user's text (``data.valid_tokens``). On a few dozen blocks a
+    centre averaged from a client's own model wins that client's training blocks by having seen
+    them, whatever their domain; held-out blocks it has not seen go to the centre that fits their
+    domain. Language-modelling recipes only (the small tasks have no validation split)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -42,6 +48,7 @@ class FedSoftSizes(BaseModel):
     lora_rank: int | None = Field(None, ge=1)
     centre_spread: float = Field(0.02, ge=0)
     fedem_block_loss: Literal["sum", "mean"] = "sum"
+    importance_split: Literal["train", "valid"] = "train"
 
 
 class FedSoftOptions(FedSoftSizes, MethodOptions):

@@ -64,7 +64,7 @@ def fedsoft(options: FedSoftOptions, context: MethodContext) -> Method:
     """FedSoft: proximal local updates from each client's own model, S soft-clustered centres."""
     clusters = _clusters(options, context)
     centres = CentreProcedure("soft", options.proximal_lambda, options.estimation_interval, options.importance_floor,
-                              options.centre_spread)
+                              options.centre_spread, scored_on=options.importance_split)
     layout = _layout(options)
     return Method("fedsoft", same_for_all(context.num_users, layout),
                   procedure=Procedure(full_finetune=layout is None, centres=centres),
@@ -75,12 +75,15 @@ def fedsoft(options: FedSoftOptions, context: MethodContext) -> Method:
 
 def _unanchored(name: str, assignment: Literal["hard", "em"], options: FedSoftOptions, context: MethodContext,
                 every_centre: bool = False) -> Method:
-    """A method whose clients train centres themselves, without a proximal term (IFCA, FedEM)."""
+    """A method whose clients train centres themselves, without a proximal term (IFCA, FedEM;
+    FedEM's E-step weighs the blocks it trains on, so it scores the training blocks)."""
+    scored_on = "train" if every_centre else options.importance_split
     layout = _layout(options)
     return Method(name, same_for_all(context.num_users, layout),
                   procedure=Procedure(full_finetune=layout is None,
                                       centres=CentreProcedure(assignment, lora_spread=options.centre_spread,
-                                                              block_loss=options.fedem_block_loss)),
+                                                              block_loss=options.fedem_block_loss,
+                                                              scored_on=scored_on)),
                   server_rule=CentreRule(clusters=_clusters(options, context), seed=context.seed,
                                          every_centre=every_centre))
 
