@@ -7,7 +7,8 @@ For every finished FedSoft, IFCA or FedEM method of a language-modelling RUN (cl
 the centres are read from ``checkpoints/<method>/server.safetensors``), each source of the users'
 text plays a new user holding that source alone. Its test blocks — the ones the S × S table
 scores — are cut in two halves: the user picks the centre with the lowest NLL on the first half
-(the text it has before choosing) and is scored on the second half. Printed per run, method and
+(the text it has before choosing) and is scored on the second half. A centre no client ever chose
+(IFCA) is still on offer, at its starting value, as it is to the clients. Printed per run, method and
 source: the centre picked, the perplexity of every centre on the second half, whether the pick is
 the second half's best, and the margin of the pick over the next best centre on the second half,
 ``100·ln(ppl_next / ppl_pick)`` in percent, with its standard error over the blocks (paired: each
@@ -84,9 +85,10 @@ def new_user_picks(run: Path, methods: list[str] | None) -> dict[str, list[Pick]
         model = dev.build_model(job, 0)
         sources = dev.source_test_blocks(job)
         length = job.recipe.data.context_length
+        formed = dev.formed_centres(job)
         per_centre = []
         for centre in range(job.server_rule.clusters):
-            dev.load_centre(job, centre, model)
+            model.load_state_dict(formed.get(centre) or dev.initial_centre(job, centre), strict=False)
             per_centre.append([block_nll(model, blocks, job.recipe.data.eval_batch_size) / (length - 1)
                                for _, blocks in sources])
         picks[job.method.name] = [pick_centre(torch.stack([row[j] for row in per_centre]), name)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from ondevice_moe import runner
 from ondevice_moe.errors import UserError
@@ -60,6 +61,15 @@ def test_a_finished_run_is_scored_from_its_saved_centres(tmp_path, capsys):
     new_users.main([str(run)])
     printed = capsys.readouterr().out
     assert "| ifca | python-code | c_" in printed and "| ifca | 1 | " in printed
+
+    # A centre nobody chose is offered at its starting value, as the clients see it.
+    server = dev.server_checkpoint_path(job)
+    save_file({k: v for k, v in load_file(str(server)).items() if not k.startswith("cluster_1/")}, str(server))
+    [code, _] = new_users.new_user_picks(run, ["ifca"])["ifca"]
+    model.load_state_dict(dev.initial_centre(job, 1), strict=False)
+    half = sources[0][1][sources[0][1].shape[0] // 2:]
+    unformed = block_nll(model, half, 8) / (half.shape[1] - 1)
+    assert code.ppl[1] == pytest.approx(math.exp(float(unformed.mean())), rel=1e-5)
 
     with pytest.raises(SystemExit, match="no finished FedSoft"):
         new_users.main([str(run), "--method", "fedsoft"])

@@ -493,9 +493,10 @@ def save_server_checkpoint(job: Job, tensors: dict[str, torch.Tensor]) -> None:
     save_file({name: tensor.detach().contiguous().cpu() for name, tensor in tensors.items()}, str(path))
 
 
-def load_centre(job: Job, centre: int, model: nn.Module) -> None:
-    """Load cluster centre ``centre`` of a finished FedSoft, IFCA or FedEM run into ``model``; a method
-    without centres, a centre the server never formed or a missing file ends with a clear message."""
+def formed_centres(job: Job) -> dict[int, Tensors]:
+    """The cluster centres the server of a finished FedSoft, IFCA or FedEM run formed (a centre no
+    client ever contributed to is not among them); a method without centres or a missing file ends
+    with a clear message."""
     from safetensors.torch import load_file
 
     if job.method.procedure.centres is None:
@@ -504,7 +505,13 @@ def load_centre(job: Job, centre: int, model: nn.Module) -> None:
     if not path.is_file():
         raise UserError(f"no centres for method '{job.method.name}': {path} is missing",
                         "rerun the recipe with this version of ondevice-moe (earlier runs did not keep the centres)")
-    centres = split_centres(load_file(str(path)))
+    return split_centres(load_file(str(path)))
+
+
+def load_centre(job: Job, centre: int, model: nn.Module) -> None:
+    """Load cluster centre ``centre`` of a finished FedSoft, IFCA or FedEM run into ``model``; a method
+    without centres, a centre the server never formed or a missing file ends with a clear message."""
+    centres = formed_centres(job)
     if centre not in centres:
         raise UserError(f"centre {centre} was never formed in this run", f"use one of: {sorted(centres)}")
     model.load_state_dict(centres[centre], strict=False)
