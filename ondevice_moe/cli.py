@@ -57,6 +57,9 @@ def finetune(
     device: Annotated[Device | None, typer.Option(help=DEVICE_HELP)] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run",
                                           help="Print the resolved recipe and the plan; train nothing.")] = False,
+    federation: Annotated[str | None, typer.Option(
+        help="Run on real devices: the SuperLink of this name in Flower's connection config "
+             "($FLWR_HOME/config.toml; docs/deployment.md). Default: Flower's simulation on this machine.")] = None,
 ) -> None:
     """Fine-tune every method of a recipe through Flower and write the report."""
     from ondevice_moe.federation.job import Job
@@ -81,11 +84,24 @@ def finetune(
             def on_round(done: int, total: int, line: str) -> None:
                 progress.update(tasks["current"], completed=done, total=total, status=line)
 
-            result = run_recipe(loaded, output, on_method, on_round)
+            if federation is not None:
+                _warn_if_insecure(federation)
+            result = run_recipe(loaded, output, on_method, on_round, federation)
     except UserError as error:
         _fail(error)
     _print_summary(result.summary)
     console.print(f"report: {result.report}\nsummary: {result.run_dir / 'summary.json'}")
+
+
+def _warn_if_insecure(federation: str) -> None:
+    """Say so when the link to the SuperLink is not encrypted (``insecure = true`` in Flower's config)."""
+    from ondevice_moe.federation.submit import connection
+
+    entry = connection(federation)
+    if entry.get("insecure"):
+        console.print(f"[bold yellow]warning:[/] the link to SuperLink '{federation}' ({entry['address']}) is "
+                      "insecure: shared experts and metrics travel unencrypted, and nothing proves who the server "
+                      "is; use TLS (root-certificates) and SuperNode authentication (docs/deployment.md)")
 
 
 def _progress() -> Progress:

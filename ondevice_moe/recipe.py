@@ -27,6 +27,7 @@ from ondevice_moe.methods.hermes.config import HermesSizes
 from ondevice_moe.methods.registry import CLASSIFICATION, LANGUAGE, METHODS, SMALL, build_method, method_options
 from ondevice_moe.models.registry import MODEL_ALIASES
 from ondevice_moe.models.small import SMALL_MODELS
+from ondevice_moe.names import folder_name, name_problem
 from ondevice_moe.overrides import apply_override
 
 
@@ -504,7 +505,20 @@ class Recipe(_Section):
         if repeated:
             raise ValueError(f"two method entries resolve to the same name {repeated}; "
                              "give one of them `label: <another name>`")
+        folders = [folder_name(name) for name in names]
+        problems = [problem for name in folders if (problem := name_problem("method label", name))]
+        if problems or len(set(folders)) != len(folders):
+            raise ValueError((problems or [f"method names {names} share a folder name"])[0]
+                             + "; give the entry another `label`")
         return self
+
+    @field_validator("name")
+    @classmethod
+    def _plain_name(cls, name: str) -> str:
+        problem = name_problem("recipe name", name)
+        if problem:
+            raise ValueError(problem)
+        return name
 
     def method_options(self, index: int) -> MethodOptions:
         """Entry ``index``'s options, validated by its method's schema, with its family's section as defaults."""

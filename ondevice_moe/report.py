@@ -128,10 +128,13 @@ def summarize(records: list[dict[str, Any]], methods: list[str], users: list[str
             continue
         last_round = max(r["round"] for r in evals)
         final = {r["user"]: r for r in evals if r["round"] == last_round}
-        if set(final) != set(users):
+        evaluated = [user for user in users if user in final]  # a device lost before the end has no figures
+        if not evaluated:
             continue
         comm = [r for r in records if r["method"] == method and r["kind"] == "comm"]
-        entry: dict[str, Any] = {"rounds": last_round, **_values(final, users)}
+        entry: dict[str, Any] = {"rounds": last_round, **_values(final, evaluated)}
+        if len(evaluated) < len(users):
+            entry["not_evaluated"] = [user for user in users if user not in final]
         entry["upload_bytes_per_round"] = statistics.fmean(r["bytes_up"] for r in comm) if comm else 0.0
         # Tensors outside experts and routers: the task head (pooler, classifier), or the base for fed-ft.
         entry["upload_outside_experts_bytes_per_round"] = (
@@ -144,15 +147,15 @@ def summarize(records: list[dict[str, Any]], methods: list[str], users: list[str
                                                          "devices", "clipped")}
                                 | {"max_update_norm": max(r["update_norms"].values(), default=0.0)}
                                 for r in sorted(privacy, key=lambda r: r["round"])]
-        centres = {key: value for key, value in final[users[0]].items() if CENTRE_KEY.fullmatch(key)}
+        centres = {key: value for key, value in final[evaluated[0]].items() if CENTRE_KEY.fullmatch(key)}
         if centres:
             entry["centres"] = centres
         summary["methods"][method] = entry
         mixed = {u: {key.removesuffix(MIXTURE_SUFFIX): value for key, value in final[u].items()
-                     if key.endswith(MIXTURE_SUFFIX)} for u in users}
-        if mixed[users[0]]:  # FedEM's own prediction, a method of its own beside its centre of largest π
+                     if key.endswith(MIXTURE_SUFFIX)} for u in evaluated}
+        if mixed[evaluated[0]]:  # FedEM's own prediction, a method of its own beside its centre of largest π
             summary["methods"][f"{method}-mixture"] = {
-                **{key: value for key, value in entry.items() if key != "centres"}, **_values(mixed, users)}
+                **{key: value for key, value in entry.items() if key != "centres"}, **_values(mixed, evaluated)}
     timing = {method: sorted(({key: r[key] for key in ROUND_KEYS} for r in records
                               if r["method"] == method and r["kind"] == "round"), key=lambda r: r["round"])
               for method in summary["methods"]}
@@ -178,6 +181,9 @@ def _values(final: dict[str, dict[str, Any]], users: list[str]) -> dict[str, Any
     return values
 
 
+NOT_MEASURED = "not measured"
+
+
 def table_rows(summary: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     """Header and rows of the results table (per-user values, mean (std), upload per round)."""
     users = summary["users"]
@@ -191,8 +197,10 @@ def table_rows(summary: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     header += ["of which head (or base)"] if outside else []
     rows = []
     for name, m in methods.items():
-        cells = [f"{m[f'mean_{short}']:.2f} ({m[f'std_{short}']:.2f})" for short in shorts]
-        row = [name, *(f"{m['per_user'][u][per_user]:.2f}" for u in users), *cells,
+        cells = [f"{m[f'mean_{short}']:.2f} ({m[f'std_{short}']:.2f})" if f"mean_{short}" in m else NOT_MEASURED
+                 for short in shorts]
+        row = [name, *(f"{m['per_user'][u][per_user]:.2f}" if u in m["per_user"] else NOT_MEASURED for u in users),
+               *cells,
                format_bytes(m["upload_bytes_per_round"])]
         row += [format_bytes(m.get("upload_outside_experts_bytes_per_round", 0))] if outside else []
         rows.append(row)
@@ -236,6 +244,9 @@ def write_report(run_dir: Path, recipe_name: str, summary: dict[str, Any], plots
              "union of all users' test splits. Mean (std) over users."
              if summary.get("metric", "perplexity") == "perplexity" else
              "Each client on its own test split; mean (std) over clients.")
+    if any("mean_in" in m and "mean_out" not in m for m in summary["methods"].values()):
+        where += (f" Out of distribution is {NOT_MEASURED} where the devices ran on Flower's deployment engine: "
+                  "each device holds only its own data (docs/deployment.md).")
     caption = f"{score_title(summary)}. {where}"
     lines = [f"# {recipe_name}", "", *(f"- {fact}" for fact in facts), *([""] if facts else []),
              caption, "", markdown_table(summary), "", *_mixture_note(summary), *_centres_section(summary),
@@ -354,7 +365,10 @@ def _drops_section(summary: dict[str, Any]) -> list[str]:
     return ["## Dropped devices", "",
             "Rounds in which a device was left out: it raised, did not reply within `federation.reply_timeout_s`, "
             "or sent an update the server rejected (reasons: `kind: drop` records in metrics.jsonl).", "",
-            "| method | device of user | rounds dropped |", "|---|---|---|", *rows, ""]
+            "| method | device of user | rounds dropped |", "|---|---|---|", *rows, "",
+            *(f"{name}: no final figures for {', '.join(m['not_evaluated'])} (the device was lost before the final "
+              f"evaluation; the others' mean is over the devices that answered)."
+              for name, m in summary["methods"].items() if m.get("not_evaluated")), ""]
 
 
 def plot_expert_scores(records: list[dict[str, Any]], method: str, path: Path) -> Path | None:

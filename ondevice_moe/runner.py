@@ -22,6 +22,7 @@ import yaml
 
 from ondevice_moe.errors import UserError
 from ondevice_moe.federation.job import JOB_ENV, Job
+from ondevice_moe.names import folder_name
 from ondevice_moe.overrides import apply_override
 from ondevice_moe.recipe import Recipe
 from ondevice_moe.report import (
@@ -94,9 +95,19 @@ def run_recipe(
     output: Path | None = None,
     on_method: Callable[[str, int, int], None] | None = None,
     on_round: Callable[[int, int, str], None] | None = None,
+    federation: str | None = None,
 ) -> RunResult:
+    """Run every method of ``recipe`` into the run folder (``output``, default ``runs/<name>``) and
+    write the report: in Flower's simulation on this machine, or, with ``federation`` (a SuperLink
+    named in Flower's connection config), on real devices (:mod:`ondevice_moe.federation.submit`),
+    where the data lives on the devices and is not checked here."""
+    if federation is not None:
+        from ondevice_moe.federation.job import with_deployment_defaults
+
+        recipe = with_deployment_defaults(recipe)
     run_dir = prepare_run_dir(recipe, output)
-    check_inputs(recipe)
+    if federation is None:
+        check_inputs(recipe)
     log = MetricsLog(run_dir / "metrics.jsonl")
     for index in range(len(recipe.methods)):
         job = Job(recipe, index, run_dir)
@@ -105,6 +116,11 @@ def run_recipe(
         log.discard(job.method.name)
         if on_method is not None:
             on_method(job.method.name, index, len(recipe.methods))
+        if federation is not None:
+            from ondevice_moe.federation.submit import submit
+
+            submit(job, federation, on_round)
+            continue
         try:
             _simulate(job, on_round)
         except Exception as error:  # the ServerApp logged the cause; report it in one line below
@@ -119,18 +135,24 @@ def run_recipe(
 
 def finish_report(recipe: Recipe, run_dir: Path) -> RunResult:
     """Summary, plots and ``report.md`` from the run folder's ``metrics.jsonl``."""
-    methods = [Job(recipe, index, run_dir).method for index in range(len(recipe.methods))]
-    records = MetricsLog(run_dir / "metrics.jsonl").read()
+    log = MetricsLog(run_dir / "metrics.jsonl")
+    finished = log.finished()
+    methods = [method for method in (Job(recipe, index, run_dir).method for index in range(len(recipe.methods)))
+               if method.name in finished]  # a method that failed under `flwr run` reports its error instead
+    records = log.read()
     names = [m.name for m in methods]
     summary = summarize(records, names, recipe.user_names, recipe.metric)
+    failed = {r["method"]: r["message"] for r in records if r.get("kind") == "error" and r["method"] not in finished}
     plots = [p for p in (plot_rounds(records, names, run_dir / "plots" / "rounds.png"),
                          plot_communication(records, names, run_dir / "plots" / "communication.png")) if p]
     for method in methods:
         if method.procedure.routers != "none":  # only learned routers have scores worth a plot
-            plot = plot_expert_scores(records, method.name, run_dir / "plots" / f"expert_scores_{method.name}.png")
+            picture = run_dir / "plots" / f"expert_scores_{folder_name(method.name)}.png"
+            plot = plot_expert_scores(records, method.name, picture)
             if plot:
                 plots.append(plot)
-    report = write_report(run_dir, recipe.name, summary, plots, run_facts(recipe, summary))
+    facts = run_facts(recipe, summary) + [f"did not finish: {name} ({message})" for name, message in failed.items()]
+    report = write_report(run_dir, recipe.name, summary, plots, facts)
     return RunResult(run_dir, summary, report)
 
 

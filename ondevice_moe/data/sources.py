@@ -112,6 +112,53 @@ def jsonl_objects(lines: Iterable[str], file: Path, example: str = "{...}") -> I
 _JSON_KINDS = {list: "array", str: "string", int: "number", float: "number", bool: "boolean", type(None): "null"}
 
 
+def saved_dataset(path: str | None = None, text_field: str = "text", **_: object) -> Documents:
+    """One document per row of a dataset saved with ``datasets``' ``save_to_disk`` (a
+    ``Dataset``, or the ``train`` split of a ``DatasetDict``), from ``text_field``."""
+    from datasets import DatasetDict, load_from_disk
+
+    folder = _existing_path(path, "saved-dataset")
+    try:
+        dataset = load_from_disk(str(folder))
+    except (FileNotFoundError, ValueError, OSError) as error:
+        raise UserError(f"{folder} is not a dataset saved by `datasets` ({error})",
+                        "save it with Dataset.save_to_disk, or use a text folder or a .jsonl file") from None
+    if isinstance(dataset, DatasetDict):
+        if "train" not in dataset:
+            raise UserError(f"the saved dataset {folder} has no 'train' split (it has {list(dataset)})",
+                            "save the split to train on as 'train'")
+        dataset = dataset["train"]
+    if text_field not in dataset.column_names:
+        raise UserError(f"the saved dataset {folder} has no column '{text_field}' (it has {dataset.column_names})",
+                        "set `text_field` to the column holding the text")
+    for row in dataset:
+        yield str(row[text_field])
+
+
+def device(**_: object) -> Documents:
+    """``source: device``: the data a device brings itself (its ``--node-config data-path``), read on
+    the device only (:func:`device_source_kind`). There is none to read on this machine."""
+    raise UserError("a user entry has `source: device`, the data a device brings through its --node-config "
+                    "data-path; that runs on Flower SuperNodes, not in the local simulation",
+                    "run it with `ondevice-moe finetune RECIPE --federation NAME` (docs/deployment.md), or "
+                    "give the user a source on this machine (text-folder, jsonl, saved-dataset)")
+
+
+def device_source_kind(path: Path) -> str:
+    """The source that reads a device's ``data-path``: a folder saved by ``datasets``, a folder of
+    text files, or a ``.jsonl`` file."""
+    if path.is_dir():
+        saved = (path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file()
+        return "saved-dataset" if saved else "text-folder"
+    if path.suffix == ".jsonl" and path.is_file():
+        return "jsonl"
+    if not path.exists():
+        raise UserError(f"this device's data-path {path} does not exist",
+                        "point --node-config data-path at the device's own data")
+    raise UserError(f"this device's data-path {path} is neither a folder nor a .jsonl file",
+                    "give a text folder, a .jsonl file or a folder saved by `datasets`")
+
+
 def hugging_face(
     dataset: str | None = None,
     config: str | None = None,
@@ -184,7 +231,9 @@ SOURCES: dict[str, Callable[..., Documents]] = {
     "political-speeches": political_speeches,
     "text-folder": text_folder,
     "jsonl": jsonl,
+    "saved-dataset": saved_dataset,
     "hf": hugging_face,
+    "device": device,
 }
 OFFLINE_SOURCES = ("python-code", "bbc-news", "rotten-tomatoes", "political-speeches")
 
@@ -194,4 +243,4 @@ def documents(kind: str, options: dict[str, object]) -> Documents:
     return SOURCES[kind](**options)
 
 
-__all__ = ["OFFLINE_SOURCES", "SOURCES", "documents", "package_folder"]
+__all__ = ["OFFLINE_SOURCES", "SOURCES", "device_source_kind", "documents", "package_folder"]

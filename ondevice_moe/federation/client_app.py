@@ -24,15 +24,19 @@ from __future__ import annotations
 import os
 import time
 import zlib
+from logging import ERROR
 
 import torch
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
+from flwr.supercore import log as flwr_log
 
 from ondevice_moe.federation import device as dev
+from ondevice_moe.federation.device_state import persist_context, resume_context
 from ondevice_moe.federation.evaluation import centre_scores, evaluate_device, mixture_scores
 from ondevice_moe.federation.faults import fault_mod
-from ondevice_moe.federation.job import Job, job_from_context
+from ondevice_moe.federation.job import Job, device_job
+from ondevice_moe.federation.node import REFUSED
 from ondevice_moe.federation.privacy import noise_generator, privatize
 from ondevice_moe.federation.secure_aggregation import secure_aggregation_mod
 from ondevice_moe.federation.transport import decode, encode
@@ -42,6 +46,13 @@ app = ClientApp(mods=[secure_aggregation_mod, fault_mod])
 
 def _device_index(context: Context) -> int:
     return int(context.node_config["partition-id"])
+
+
+def _stored_state(job: Job, context: Context) -> dict[str, int]:
+    """A device whose SuperNode restarted picks up the private state it kept on its own disk
+    (:func:`~ondevice_moe.federation.device_state.resume_context`); ``resumed_round`` says from which round."""
+    resumed = resume_context(job, context)
+    return {"resumed_round": resumed} if resumed else {}
 
 
 def _received(job: Job, msg: Message) -> ArrayRecord | None:
@@ -55,7 +66,12 @@ def _received(job: Job, msg: Message) -> ArrayRecord | None:
 
 @app.query()
 def identify(msg: Message, context: Context) -> Message:
-    """Tell the server which device (user or client index) this node is."""
+    """Tell the server which device (user or client index) this node is; when the server refuses
+    the node (another holds its partition-id), say why in the device's own log."""
+    config = msg.content.config_records.get("config")
+    if config is not None and REFUSED in config:
+        flwr_log(ERROR, "the server refused this device: %s; fix: give each SuperNode its own partition-id",
+                 config[REFUSED])
     return Message(RecordDict({"metrics": MetricRecord({"device": _device_index(context)})}), reply_to=msg)
 
 
@@ -72,8 +88,9 @@ def handler_figures(started: float) -> dict[str, float]:
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     started = time.perf_counter()
-    job = job_from_context(context)
+    job = device_job(context)
     device = _device_index(context)
+    resumed = _stored_state(job, context)
     arrays = _received(job, msg)
     procedure = job.method.procedure
     server_round = int(msg.content["config"]["server-round"])
@@ -92,7 +109,8 @@ def train(msg: Message, context: Context) -> Message:
     dev.start_round(trainer.model)
     metrics, examples = dev.run_local_procedure(job, device, trainer, seed)
     dev.save_private_state(job, device, trainer, context.state)
-    metrics.update({**trust, **chosen, "device": device, "num-examples": examples})
+    persist_context(job, context, server_round)
+    metrics.update({**trust, **chosen, **resumed, "device": device, "num-examples": examples})
     tensors, records = dev.upload(job, trainer)
     if privacy.enabled:
         tensors, figures = privatize(start, tensors, privacy, noise_generator(job.recipe.seed, device, server_round))
@@ -108,8 +126,9 @@ def train(msg: Message, context: Context) -> Message:
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
     started = time.perf_counter()
-    job = job_from_context(context)
+    job = device_job(context)
     device = _device_index(context)
+    _stored_state(job, context)
     arrays = _received(job, msg)
     centred = job.method.procedure.centres is not None
     model = dev.restore_model(job, device, None if centred else arrays, context.state)

@@ -15,11 +15,13 @@ from torch import nn
 
 from ondevice_moe.data.classification import FederatedTask, build_federated_task
 from ondevice_moe.data.small import SmallFederatedTask, build_small_task
+from ondevice_moe.data.sources import device_source_kind
 from ondevice_moe.data.splits import BlockExamples, SourceSpec, UserData, build_user_data
 from ondevice_moe.errors import UserError
 from ondevice_moe.example_loss import WeightedExamples
 from ondevice_moe.federation import device_state
 from ondevice_moe.federation.job import Job
+from ondevice_moe.federation.node import FIX
 from ondevice_moe.federation.peers import mix_peers, split_peers
 from ondevice_moe.federation.rank_pruning import fit_received
 from ondevice_moe.layout import attach_layout, hermes_routers
@@ -40,6 +42,8 @@ from ondevice_moe.methods.fedsoft.centres import (
 from ondevice_moe.methods.flow.procedure import flow_round
 from ondevice_moe.models import LoadedModel, load_base_model
 from ondevice_moe.models.checkpointing import enable_activation_checkpointing
+from ondevice_moe.names import folder_name
+from ondevice_moe.recipe import SourceSection
 from ondevice_moe.routing import client_mixture
 from ondevice_moe.training import DeviceTrainer, trainable_state
 
@@ -88,20 +92,40 @@ def federated_task(job: Job) -> FederatedTask | SmallFederatedTask:
     return _TASKS[key]
 
 
-_DATA: dict[tuple[str, int], UserData] = {}
+_DATA: dict[tuple[str, int], UserData] = {}  # keyed by the data section, model, seed, data-path and user
 
 
 def user_data(job: Job, user: int) -> UserData:
     """User (device) ``user``'s blocks of its domain (``data.clients``: several devices per domain),
     built once per process."""
-    key = (job.recipe.data.model_dump_json() + job.recipe.model.name + str(job.recipe.split_seed), user)
+    key = (job.recipe.data.model_dump_json() + job.recipe.model.name + str(job.recipe.split_seed)
+           + str(job.node and job.node.data_path), user)
     if key not in _DATA:
         data = job.recipe.data
         section = data.domain(user)
-        sources = [SourceSpec(s.source, s.options(), s.weight) for s in section.sources]
+        sources = [_source_on_this_machine(job, user, s) for s in section.sources]
         _DATA[key] = build_user_data(data.device_names[user], sources, job_base_model(job).tokenizer,
                                      data.budgets(user), data.context_length, job.recipe.split_seed + 7919 * user)
     return _DATA[key]
+
+
+def _source_on_this_machine(job: Job, user: int, source: SourceSection) -> SourceSpec:
+    """How this machine reads one source of user ``user``. On a device (``flwr run``) only its own
+    user's, and ``source: device`` is the device's own ``data-path``; no device reads another's data."""
+    if not job.on_device:
+        return SourceSpec(source.source, source.options(), source.weight)
+    node = job.node
+    if user != node.partition_id:
+        raise UserError(f"device {node.partition_id} was asked for user {user}'s data, which only that user's "
+                        "device holds", "this recipe or method needs every user's data on one machine: run it in "
+                        "the local simulation (ondevice-moe finetune without --federation)")
+    if source.source != "device":
+        return SourceSpec(source.source, source.options(), source.weight)
+    if node.data_path is None:
+        raise UserError(f"user '{job.recipe.user_names[user]}' has `source: device`, but this device's "
+                        "--node-config has no data-path", FIX)
+    options = {**source.options(), "path": str(node.data_path)}
+    return SourceSpec(device_source_kind(node.data_path), options, source.weight)
 
 
 _SOURCES: dict[str, list[tuple[str, torch.Tensor]]] = {}
@@ -220,10 +244,26 @@ def _load_tensors(model: nn.Module, private: dict[str, torch.Tensor], shared: Ar
         tensors.update(shared.to_torch_state_dict())
     if tensors:
         tensors = fit_received(model, tensors)  # HetLoRA sends pruned modules at their kept rank
-        missing = set(tensors) - set(model.state_dict())
-        if missing:
-            raise ValueError(f"received tensors this device does not hold: {sorted(missing)[:3]}")
+        check_received(model.state_dict(), tensors)
         model.load_state_dict(tensors, strict=False)
+
+
+def check_received(own: dict[str, torch.Tensor], received: dict[str, torch.Tensor]) -> None:
+    """A device trusts the server no further than it must: every tensor it loads must be one it
+    holds, of the same shape and kind (floating point or not), and finite; else a ``ValueError``
+    naming the tensor, before anything is trained on it."""
+    missing = set(received) - set(own)
+    if missing:
+        raise ValueError(f"received tensors this device does not hold: {sorted(missing)[:3]}")
+    for name, tensor in received.items():
+        mine = own[name]
+        if tensor.shape != mine.shape:
+            raise ValueError(f"received tensor {name} has shape {list(tensor.shape)}; this device's has "
+                             f"{list(mine.shape)}")
+        if tensor.is_floating_point() != mine.is_floating_point():
+            raise ValueError(f"received tensor {name} is {tensor.dtype}; this device's is {mine.dtype}")
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise ValueError(f"received tensor {name} holds non-finite values; this device will not train on it")
 
 
 def mix_relayed_peers(job: Job, device: int, trainer: DeviceTrainer, arrays: ArrayRecord | None) -> dict[str, float]:
@@ -468,7 +508,7 @@ def batch_sampler(blocks: torch.Tensor, batch_size: int, seed: int, stream: str)
 
 
 def checkpoint_path(job: Job, device: int):
-    return job.run_dir / "checkpoints" / job.method.name / f"device_{device}.safetensors"
+    return job.run_dir / "checkpoints" / folder_name(job.method.name) / f"device_{device}.safetensors"
 
 
 def save_checkpoint(job: Job, device: int, model: nn.Module) -> None:
@@ -481,7 +521,7 @@ def save_checkpoint(job: Job, device: int, model: nn.Module) -> None:
 
 
 def server_checkpoint_path(job: Job):
-    return job.run_dir / "checkpoints" / job.method.name / "server.safetensors"
+    return job.run_dir / "checkpoints" / folder_name(job.method.name) / "server.safetensors"
 
 
 def save_server_checkpoint(job: Job, tensors: dict[str, torch.Tensor]) -> None:

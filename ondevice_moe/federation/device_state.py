@@ -20,14 +20,17 @@ state, per tensor, costs more than restoring the model it belongs to).
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
-from flwr.app import ConfigRecord, RecordDict
+from flwr.app import ConfigRecord, Context, RecordDict
 
+from ondevice_moe.errors import UserError
 from ondevice_moe.federation.job import Job
+from ondevice_moe.names import folder_name
 
 STATE_KEY = "device-state"
 PRIVATE = "private/"
@@ -36,7 +39,7 @@ OPTIMIZER = "optimizer"
 
 def state_folder(job: Job) -> Path:
     """Where ``federation.device_state: disk`` keeps the method's devices' files."""
-    return job.run_dir / "device_state" / job.method.name
+    return job.run_dir / "device_state" / folder_name(job.method.name)
 
 
 def clear_state_folder(job: Job) -> None:
@@ -113,3 +116,55 @@ def _rebuild(skeleton: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Any:
     if "list" in skeleton:
         return [_rebuild(v, tensors) for v in skeleton["list"]]
     return skeleton["value"]
+
+
+# -- a real device's own disk ---------------------------------------------------
+
+CONTEXT_FILE = "context.pb"
+ROUND_KEY = "device-round"  # the round a device last trained, kept in its context
+
+
+def context_file(job: Job) -> Path:
+    """Where a real device keeps its Flower context for the method: under its own run folder
+    (``<state-dir>/<recipe>``, :func:`~ondevice_moe.federation.job.device_job`)."""
+    return state_folder(job) / CONTEXT_FILE
+
+
+def resume_context(job: Job, context: Context) -> int:
+    """On a real device whose SuperNode restarted (its ``context.state`` empty), bring back the
+    state it kept on disk for this run: its private tensors, optimiser state and the round it last
+    trained. Returns that round (0: nothing to resume). A file of another run is left alone."""
+    path = context_file(job)
+    if not job.on_device or len(context.state) > 0 or not path.is_file():
+        return 0
+    from flwr.common.serde import context_from_proto
+    from flwr.proto.message_pb2 import Context as ProtoContext  # pylint: disable=E0611
+
+    stored = ProtoContext()
+    try:
+        stored.ParseFromString(path.read_bytes())
+        kept = context_from_proto(stored)
+    except Exception as error:  # a damaged file: one clear message, the run goes on without it
+        raise UserError(f"this device's saved state {path} is damaged ({type(error).__name__})",
+                        "delete the file to start this device afresh in this run") from None
+    if kept.run_id != context.run_id:
+        return 0
+    for key, record in kept.state.items():
+        context.state[key] = record
+    return int(context.state[ROUND_KEY]["round"]) if ROUND_KEY in context.state else 0
+
+
+def persist_context(job: Job, context: Context, server_round: int) -> None:
+    """After a round, a real device writes its Flower context (the private state) to its own disk,
+    whole or not at all (a kill mid-write leaves the previous round's file)."""
+    if not job.on_device:
+        return
+    from flwr.common.serde import context_to_proto
+
+    context.state[ROUND_KEY] = ConfigRecord({"round": server_round})
+    path = context_file(job)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".partial")
+    partial.write_bytes(context_to_proto(context).SerializeToString())
+    os.replace(partial, path)
+

@@ -60,6 +60,10 @@ def _perplexities(job: Job, device: int, model: nn.Module) -> dict[str, float]:
     fused = None
     if job.method.procedure.experts_in_turn:  # FDLoRA: weigh global and personal modules first
         fused = fit_fusion(model, dev.device_split(job, device, "valid")[:FUSION_BLOCKS], batch)
+    if job.on_device:  # a real device holds its own data only: no out-of-distribution figure
+        own = block_nll(model, dev.eval_blocks(job, device), batch)
+        return {"num-examples": int(own.numel()),
+                **_user_perplexities(device, own, None, job.recipe.data.context_length, fused)}
     union_nll, offsets, context_length = union_test_nll(job, model)
     metrics: dict[str, float] = {"num-examples": int(union_nll.numel())}
     for user in dev.users_of_device(job, device):
@@ -67,14 +71,26 @@ def _perplexities(job: Job, device: int, model: nn.Module) -> dict[str, float]:
             own = union_nll[offsets[user] : offsets[user + 1]]
         else:  # a further device of a domain (data.clients) is tested on its own sample of it
             own = block_nll(model, dev.eval_blocks(job, user), batch)
-        metrics[f"user_{user}/test_ppl_in"] = perplexity_of(own, context_length)
-        metrics[f"user_{user}/test_ppl_out"] = perplexity_of(union_nll, context_length)
-        if fused is not None:
-            metrics[f"user_{user}/fusion_global"] = fused
-        for key, blocks in (("test_nll_se_in", own), ("test_nll_se_out", union_nll)):
-            error = nll_standard_error(blocks, context_length)
-            if error is not None:
-                metrics[f"user_{user}/{key}"] = error
+        metrics |= _user_perplexities(user, own, union_nll, context_length, fused)
+    return metrics
+
+
+def _user_perplexities(user: int, own: torch.Tensor, union: torch.Tensor | None, context_length: int,
+                       fused: float | None) -> dict[str, float]:
+    """A user's ``test_ppl_in`` on its own test blocks, ``test_ppl_out`` on the union of every
+    user's (when this machine holds them), their standard errors, and FDLoRA's fusion weight."""
+    prefix = f"user_{user}/"
+    metrics = {prefix + "test_ppl_in": perplexity_of(own, context_length)}
+    tested = [("in", own)]
+    if union is not None:
+        metrics[prefix + "test_ppl_out"] = perplexity_of(union, context_length)
+        tested.append(("out", union))
+    if fused is not None:
+        metrics[prefix + "fusion_global"] = fused
+    for side, blocks in tested:
+        error = nll_standard_error(blocks, context_length)
+        if error is not None:
+            metrics[f"{prefix}test_nll_se_{side}"] = error
     return metrics
 
 

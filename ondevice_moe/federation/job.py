@@ -2,8 +2,13 @@
 
 Under ``ondevice-moe finetune`` (Flower's simulation engine) the job travels as
 a JSON file named by ``$ONDEVICE_MOE_JOB``. Under ``flwr run`` (simulation or
-deployment) it comes from the run config: ``recipe`` (a path), ``method`` (the
-index of the recipe's method entry) and ``run-dir``.
+deployment) it comes from the run config: ``recipe`` (a path) or ``recipe-json`` (the
+recipe itself, as ``ondevice-moe finetune --federation`` sends it), ``method`` (the
+index of the recipe's method entry) and ``run-dir`` (the server's run folder).
+
+On a device under ``flwr run`` the job is :func:`device_job`: the same recipe and method, with
+the device's own facts (:mod:`~ondevice_moe.federation.node`) and, as its run folder, its own
+folder under ``state-dir``; the server's ``run-dir`` never becomes a path there.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ from pathlib import Path
 from flwr.app import Context
 
 from ondevice_moe import BUNDLED_RECIPES
+from ondevice_moe.errors import UserError
+from ondevice_moe.federation.node import NodeFacts, node_facts
 from ondevice_moe.federation.rules import ServerRule
 from ondevice_moe.methods import Method
 from ondevice_moe.recipe import Recipe, load_recipe, validate_recipe
@@ -30,6 +37,12 @@ class Job:
     recipe: Recipe
     method_index: int
     run_dir: Path
+    node: NodeFacts | None = None  # set on a device under ``flwr run``: what its --node-config says
+
+    @property
+    def on_device(self) -> bool:
+        """Whether this job runs on a real device (``flwr run``), which holds only its own data."""
+        return self.node is not None
 
     @cached_property
     def method(self) -> Method:
@@ -83,13 +96,38 @@ def _locate(recipe: str) -> Path:
     return BUNDLED_RECIPES / path.name
 
 
+def submitted(config: dict) -> bool:
+    """Whether the run config carries the recipe (``flwr run``), rather than ``$ONDEVICE_MOE_JOB``."""
+    return bool(config.get("recipe") or config.get("recipe-json"))
+
+
+DEPLOYMENT_REPLY_TIMEOUT_S = 600.0
+
+
+def with_deployment_defaults(recipe: Recipe) -> Recipe:
+    """``recipe`` as it runs on real devices: where it does not set ``federation.reply_timeout_s``, the
+    server waits :data:`DEPLOYMENT_REPLY_TIMEOUT_S` seconds for a device's reply (every device works at
+    once there; the local simulation's default, an hour, suits devices that take turns on a few cores)."""
+    federation = recipe.federation
+    if "reply_timeout_s" in federation.model_fields_set:
+        return recipe
+    timeout = federation.model_copy(update={"reply_timeout_s": DEPLOYMENT_REPLY_TIMEOUT_S})
+    return recipe.model_copy(update={"federation": timeout})
+
+
+def _recipe_of(config: dict) -> Recipe:
+    if config.get("recipe-json"):  # as `ondevice-moe finetune --federation` resolved it
+        return validate_recipe(json.loads(str(config["recipe-json"])), source="the run config's recipe-json")
+    return with_deployment_defaults(load_recipe(_locate(str(config["recipe"]))))
+
+
 def job_from_context(context: Context) -> Job:
     """The job of this run, from the run config (``flwr run``) or ``$ONDEVICE_MOE_JOB``."""
     config = context.run_config
-    if config.get("recipe"):
-        key = f"{config['recipe']}|{config.get('method', 0)}|{config.get('run-dir', '')}"
+    if submitted(config):
+        key = f"{config.get('recipe')}|{config.get('recipe-json')}|{config.get('method', 0)}|{config.get('run-dir')}"
         if key not in _JOBS:
-            recipe = load_recipe(_locate(str(config["recipe"])))
+            recipe = _recipe_of(config)
             run_dir = Path(str(config.get("run-dir") or Path("runs") / recipe.name))
             _JOBS[key] = Job(recipe, int(config.get("method", 0)), run_dir)
         return _JOBS[key]
@@ -99,3 +137,24 @@ def job_from_context(context: Context) -> Job:
     if path not in _JOBS:
         _JOBS[path] = Job.from_file(path)
     return _JOBS[path]
+
+
+def device_job(context: Context) -> Job:
+    """The job as a device runs it: under ``flwr run``, with the device's node facts and its own
+    folder ``<state-dir>/<recipe>`` as the run folder; in ``ondevice-moe finetune``'s simulation,
+    where every device is this machine, the job itself."""
+    job = job_from_context(context)
+    if not submitted(context.run_config):
+        return job
+    node = node_facts(context.node_config)
+    devices = len(job.recipe.user_names)
+    if node.partition_id >= devices:
+        raise UserError(f"this device's partition-id is {node.partition_id}, but the recipe has {devices} devices "
+                        f"(partition-ids 0 to {devices - 1})", "start the SuperNode with a partition-id in that range")
+    key = (id(job), node)
+    if key not in _DEVICE_JOBS:
+        _DEVICE_JOBS[key] = Job(job.recipe, job.method_index, node.folder(job.recipe.name), node)
+    return _DEVICE_JOBS[key]
+
+
+_DEVICE_JOBS: dict[tuple[int, NodeFacts], Job] = {}

@@ -40,25 +40,41 @@ def main(grid: Grid, context: Context) -> None:
 
         runner.start_method(job)
     log = MetricsLog(job.run_dir / "metrics.jsonl")
-    window = job.recipe.federation.messages_in_flight
-    if window is None and not standalone:  # the simulation: ondevice-moe finetune
-        window = simulation_window(job.recipe.federation)
     try:
-        run_federation(grid if window is None else WindowedGrid(grid, window), job, log)
+        run_federation(WindowedGrid(grid, message_window(job, standalone)), job, log)
     except Exception as error:
-        # The driver reads this record to report the failure in one line.
+        # The driver (or `ondevice-moe finetune --federation`) reads this record to report the failure in one line.
         message = error.problem if isinstance(error, UserError) else f"{type(error).__name__}: {error}"
         log.write({"method": job.method.name, "kind": "error", "message": message})
         raise
-    if standalone:
-        runner.finish_report(job.recipe, job.run_dir)
+    finally:
+        if standalone:  # under `flwr run` the ServerApp writes the report, with what it has if the method failed
+            runner.finish_report(job.recipe, job.run_dir)
+
+
+def message_window(job: Job, standalone: bool) -> int:
+    """How many messages may be out at once: the recipe's ``federation.messages_in_flight``; by default
+    two per simulation worker under ``ondevice-moe finetune``, and every device at once under ``flwr run``.
+
+    The grid always gets its messages through :class:`WindowedGrid`, which pushes them one list at a
+    time: the deployment engine's grid reads the iterable it is given twice, so a lazily built round
+    handed to it directly arrives empty (SuperLink: ``messages_list must not be empty``).
+    """
+    federation = job.recipe.federation
+    if federation.messages_in_flight is not None:
+        return federation.messages_in_flight
+    return len(job.method.layouts) if standalone else simulation_window(federation)
 
 
 def run_federation(grid: Grid, job: Job, log: MetricsLog) -> None:
     """Train (or only evaluate) one method, then write its ``done`` record."""
     federation = job.recipe.federation
-    nodes = connect(grid, len(job.method.layouts), federation.reply_timeout_s)
+    refused: list[tuple[int, str]] = []
+    nodes = connect(grid, len(job.method.layouts), federation.reply_timeout_s,
+                    lambda node, why: refused.append((node, why)))
     strategy = SlotStrategy(job, nodes, log, progress_hook)
+    for node, why in refused:
+        strategy.refuse(grid, node, why)
     if strategy.total_rounds == 0:
         strategy.evaluate_untrained(grid)
     else:

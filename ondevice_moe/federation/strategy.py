@@ -28,10 +28,11 @@ decides what is sent and what is kept:
 from __future__ import annotations
 
 import random
+import re
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
-from logging import INFO
+from logging import INFO, WARNING
 from typing import Any
 
 import torch
@@ -45,6 +46,7 @@ from ondevice_moe.federation.aggregation import Update, check_update
 from ondevice_moe.federation.device import save_server_checkpoint
 from ondevice_moe.federation.evaluation import user_values
 from ondevice_moe.federation.job import Job
+from ondevice_moe.federation.node import REFUSED
 from ondevice_moe.federation.privacy import noise_std
 from ondevice_moe.federation.rules import Slots
 from ondevice_moe.federation.secure_aggregation import SecureRound, secure_round
@@ -99,31 +101,73 @@ def sample_devices(devices: int, count: int, seed: int, server_round: int) -> li
     return sorted(random.Random(f"{seed}:sample:{server_round}").sample(range(devices), count))
 
 
-def connect(grid: Grid, count: int, timeout: float) -> dict[int, int]:
+def connect(grid: Grid, count: int, timeout: float, refuse: Callable[[int, str], None] | None = None
+            ) -> dict[int, int]:
     """Device index → node id, once ``count`` devices have connected and said who they are.
 
-    Waits at most ``timeout`` seconds in all; fewer devices is a :class:`FederationFailure`
-    naming both numbers.
+    Nodes are asked as they appear; a node claiming a ``partition-id`` another node already holds,
+    or one the recipe does not have, is refused (``refuse(node, why)``) and the wait goes on. Waits
+    at most ``timeout`` seconds in all; fewer devices is a :class:`FederationFailure` naming the
+    missing ``partition-id``s and the refusals.
     """
     deadline = time.monotonic() + timeout
-    while len(nodes := sorted(grid.get_node_ids())) < count and time.monotonic() < deadline:
-        time.sleep(POLL_SECONDS)
-    if len(nodes) < count:
-        raise FederationFailure(f"only {len(nodes)} of the {count} devices the recipe needs connected within "
-                                f"{timeout:g}s (federation.reply_timeout_s)")
-    messages = [Message(RecordDict(), dst_node_id=node, message_type=MessageType.QUERY) for node in nodes]
-    replies = grid.send_and_receive(messages, timeout=max(deadline - time.monotonic(), POLL_SECONDS))
     found: dict[int, int] = {}
-    for reply in replies:
-        if not reply.has_error():
-            device = int(reply.content["metrics"]["device"])
-            if device < count:
-                found.setdefault(device, reply.metadata.src_node_id)
+    answered: set[int] = set()
+    refusals: list[str] = []
+    while len(found) < count and (left := deadline - time.monotonic()) > 0:
+        new = sorted(set(grid.get_node_ids()) - answered)
+        if not new:
+            time.sleep(POLL_SECONDS)
+            continue
+        held, refused, replied = identify(grid, new, count, found, left)
+        found.update(held)
+        answered |= replied
+        for node, why in refused.items():
+            refusals.append(why)
+            if refuse is not None:
+                refuse(node, why)
+        if not replied:
+            time.sleep(POLL_SECONDS)
     if len(found) < count:
         missing = sorted(set(range(count)) - set(found))
-        raise FederationFailure(f"only {len(found)} of the {count} devices the recipe needs answered within "
-                                f"{timeout:g}s (federation.reply_timeout_s); missing partition-ids {missing}")
+        refused_text = f"; refused: {'; '.join(refusals)}" if refusals else ""
+        raise FederationFailure(f"only {len(found)} of the {count} devices the recipe needs connected within "
+                                f"{timeout:g}s (federation.reply_timeout_s); missing partition-ids {missing}"
+                                + refused_text)
     return dict(sorted(found.items()))
+
+
+def identify(grid: Grid, nodes: list[int], count: int, held: dict[int, int], timeout: float
+             ) -> tuple[dict[int, int], dict[int, str], set[int]]:
+    """Ask ``nodes`` which device each is. Returns the devices they newly hold (device → node), the
+    nodes refused with why (a ``partition-id`` outside the recipe's ``count`` devices, or one that
+    ``held`` or an earlier node of ``nodes`` already holds), and the nodes that answered."""
+    messages = [Message(RecordDict(), dst_node_id=node, message_type=MessageType.QUERY) for node in nodes]
+    replies = sorted((reply for reply in grid.send_and_receive(messages, timeout=max(timeout, POLL_SECONDS))
+                      if not reply.has_error()), key=lambda reply: reply.metadata.src_node_id)
+    found: dict[int, int] = {}
+    refused: dict[int, str] = {}
+    for reply in replies:
+        node = reply.metadata.src_node_id
+        try:
+            device = int(reply.content["metrics"]["device"])
+        except (KeyError, TypeError, ValueError):
+            refused[node] = f"node {node} did not say which partition-id it is"
+            continue
+        owner = held.get(device, found.get(device))
+        if not 0 <= device < count:
+            refused[node] = f"node {node} says it is partition-id {device}, but the recipe has devices 0 to {count - 1}"
+        elif owner is not None and owner != node:
+            refused[node] = f"node {node} claims partition-id {device}, which node {owner} already holds"
+        else:
+            found[device] = node
+    return found, refused, {reply.metadata.src_node_id for reply in replies}
+
+
+def tell_refused(grid: Grid, node: int, why: str) -> None:
+    """Send a refused node one query saying why, so its own log shows it (no reply is awaited)."""
+    grid.push_messages([Message(RecordDict({"config": ConfigRecord({REFUSED: why})}), dst_node_id=node,
+                                message_type=MessageType.QUERY)])
 
 
 def decode_update(update: Update, reference: dict[str, torch.Tensor], kind: Transport,
@@ -162,16 +206,48 @@ class SlotStrategy(Strategy):
         self.slots: Slots = self.rule.initial_slots()
         self._fresh: dict[int, dict[str, torch.Tensor]] = {}
         self._round: dict[str, Any] = {}
+        self._refused: set[int] = set()
 
     def summary(self) -> None:
         flwr_log(INFO, "\t├──> %s: %d of %d devices per round, min %d sound updates, timeout %gs",
                  self.job.method.name, self.per_round, len(self.nodes), self.federation.min_clients,
                  self.federation.reply_timeout_s)
 
+    # -- devices that come and go -----------------------------------------------
+
+    def refresh_nodes(self, grid: Grid) -> None:
+        """Follow devices that rejoined under a new node id (a restarted SuperNode without node
+        authentication registers anew): nodes the server has not seen are asked who they are; one
+        that holds a device takes its place (a ``rejoin`` record), one claiming a device another
+        online node holds, or no device of the recipe, is refused (a ``refused`` record, and the
+        node is told why)."""
+        online = set(grid.get_node_ids())
+        new = sorted(online - set(self.devices) - self._refused)
+        if not new:
+            return
+        held = {device: node for device, node in self.nodes.items() if node in online}
+        found, refused, _ = identify(grid, new, len(self.nodes), held, self.federation.reply_timeout_s)
+        for device, node in found.items():
+            self.devices.pop(self.nodes[device], None)
+            self.log.write({"method": self.job.method.name, "kind": "rejoin", "device": device,
+                            "user": self._user(device), "old_node": self.nodes[device], "node": node})
+            self.nodes[device] = node
+            self.devices[node] = device
+        for node, why in refused.items():
+            self.refuse(grid, node, why)
+
+    def refuse(self, grid: Grid, node: int, why: str) -> None:
+        """Log that ``node`` is refused and why, tell the node, and never ask it again."""
+        self._refused.add(node)
+        self.log.write({"method": self.job.method.name, "kind": "refused", "node": node, "reason": why})
+        flwr_log(WARNING, "refused a node: %s", why)
+        tell_refused(grid, node, why)
+
     # -- training -------------------------------------------------------------
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
+        self.refresh_nodes(grid)
         self.slots = unpack_slots(arrays, self.rule.initial_slots())
         sampled = sample_devices(len(self.nodes), self.per_round, self.job.recipe.seed, server_round)
         self._round = {"started": time.perf_counter(), "sampled": sampled, "sent": {}}
@@ -302,6 +378,7 @@ class SlotStrategy(Strategy):
                            grid: Grid) -> Iterable[Message]:
         if not self.evaluates(server_round):
             return []
+        self.refresh_nodes(grid)
         self.slots = unpack_slots(arrays, self.rule.initial_slots())
         final = server_round == self.total_rounds
         kept = self.rule.final_state(self.slots) if final else {}
@@ -325,15 +402,16 @@ class SlotStrategy(Strategy):
                     self.log.write({"method": self.job.method.name, "round": server_round, "kind": "eval",
                                     "user": name, **values})
         self._record_drops(server_round, "evaluate", drops)
-        if drops and server_round == self.total_rounds:
+        evaluated = len(self.nodes) - len(drops)
+        if server_round == self.total_rounds and evaluated < min(self.federation.min_clients, len(self.nodes)):
             reasons = "; ".join(f"device {d}: {why}" for d, why in sorted(drops.items()))
-            raise FederationFailure(f"the final evaluation failed on {len(drops)} device(s), so their checkpoints "
-                                    f"are missing ({reasons})")
-        mean = sum(headline) / max(len(headline), 1)
+            raise FederationFailure(f"the final evaluation succeeded on {evaluated} of {len(self.nodes)} devices, "
+                                    f"fewer than federation.min_clients={self.federation.min_clients} ({reasons})")
+        mean = sum(headline) / len(headline) if headline else None  # None: no device could be evaluated
         self._report(server_round, mean)
         if server_round > 0:  # a method that does not train has no round to time
             self._log_round(server_round)
-        return MetricRecord({"mean": mean})
+        return MetricRecord({} if mean is None else {"mean": mean})
 
     def evaluate_untrained(self, grid: Grid) -> None:
         """The single evaluation of a method that does not train (the pretrained reference)."""
@@ -393,7 +471,7 @@ class SlotStrategy(Strategy):
                 continue
             answered[device] = reply
             if reply.has_error():
-                drops[device] = f"raised {_last_line(reply.error.reason)}"
+                drops[device] = f"raised {device_error(reply.error.reason)}"
         for device in expected:
             if device not in answered:
                 drops[device] = f"no reply within {self.federation.reply_timeout_s:g}s"
@@ -438,7 +516,7 @@ class SlotStrategy(Strategy):
         if self.progress is None:
             return
         if self.total_rounds == 0:
-            self.progress(0, 0, f"evaluated: mean {mean:.2f}")
+            self.progress(0, 0, "evaluated: " + ("no device answered" if mean is None else f"mean {mean:.2f}"))
             return
         parts = [f"round {server_round}"]
         if mean is not None:
@@ -451,10 +529,17 @@ class SlotStrategy(Strategy):
         self.progress(server_round, self.total_rounds, ", ".join(parts))
 
 
-def _last_line(reason: str) -> str:
-    """The last line of a device's error, without the ``'>`` that closes Flower's repr of the exception."""
-    lines = [line.strip() for line in reason.replace("\\n", "\n").splitlines() if line.strip()]
-    return (lines[-1] if lines else reason).removesuffix("'>")
+_FLOWER_ERROR = re.compile(r"<class '(?:[\w.]+\.)?(\w+)'>:<'(.*)'>", re.DOTALL)
+
+
+def device_error(reason: str) -> str:
+    """A device's error as one line: the exception's type and its whole message (for a
+    :class:`UserError`, the problem and its fix), from Flower's ``<class 'T'>:<'message'>``."""
+    found = _FLOWER_ERROR.fullmatch(reason.strip())
+    kind, text = found.groups() if found else ("", reason)
+    lines = [line.strip() for line in text.replace("\\n", "\n").splitlines() if line.strip()]
+    message = " ".join(lines) or reason
+    return message if kind in ("", UserError.__name__) else f"{kind}: {message}"
 
 
 def _record_bytes(record: ArrayRecord) -> int:

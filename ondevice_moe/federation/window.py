@@ -70,7 +70,7 @@ class WindowedGrid(Grid):
         return self.grid.get_nodes()
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
-        return self.grid.push_messages(messages)
+        return self.grid.push_messages(list(messages))  # the deployment grid reads its argument twice
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
         return self.grid.pull_messages(message_ids)
