@@ -27,6 +27,7 @@ def name_problem(what: str, name: str) -> str | None:
 
 
 def folder_name(method_name: str) -> str:
-    """The folder of a method's files: its name, with the ``/`` of the built-in ablation names
-    (``hermes-w/o-A``) turned into ``_``. Recipe validation checks that the result is a plain name."""
-    return method_name.replace("/", "_")
+    """The folder of a method's files: its name with every character outside the plain set (the ``/``
+    of ``hermes-w/o-A``, the ``:`` of a mixture's derived name) turned into ``_``. Recipe validation
+    checks that the methods' folders differ; a user's own ``label`` must be a plain name already."""
+    return re.sub(r"[^A-Za-z0-9._+-]", "_", method_name).lstrip(".")[:100] or "_"

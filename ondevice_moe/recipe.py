@@ -505,11 +505,13 @@ class Recipe(_Section):
         if repeated:
             raise ValueError(f"two method entries resolve to the same name {repeated}; "
                              "give one of them `label: <another name>`")
+        labels = [str(entry.raw_options()["label"]) for entry in self.methods if "label" in entry.raw_options()]
+        problems = [problem for label in labels if (problem := name_problem("method label", label))]
+        if problems:
+            raise ValueError(problems[0])
         folders = [folder_name(name) for name in names]
-        problems = [problem for name in folders if (problem := name_problem("method label", name))]
-        if problems or len(set(folders)) != len(folders):
-            raise ValueError((problems or [f"method names {names} share a folder name"])[0]
-                             + "; give the entry another `label`")
+        if len(set(folders)) != len(folders):
+            raise ValueError(f"method names {names} would share a folder ({folders}); give one entry a `label`")
         return self
 
     @field_validator("name")

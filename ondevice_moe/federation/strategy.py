@@ -57,6 +57,7 @@ from ondevice_moe.report import MetricsLog
 
 Progress = Callable[[int, int, str], None]
 POLL_SECONDS = 0.2
+ALIVE_TIMEOUT_S = 15.0  # how long a node the server knows has to answer before a newcomer may take its place
 
 
 class FederationFailure(RuntimeError):
@@ -225,8 +226,15 @@ class SlotStrategy(Strategy):
         new = sorted(online - set(self.devices) - self._refused)
         if not new:
             return
-        held = {device: node for device, node in self.nodes.items() if node in online}
-        found, refused, _ = identify(grid, new, len(self.nodes), held, self.federation.reply_timeout_s)
+        timeout = self.federation.reply_timeout_s
+        found, refused, _ = identify(grid, new, len(self.nodes), {}, timeout)
+        # The SuperLink lists a killed node for a while (until its heartbeats are missed): ask the old nodes.
+        owners = sorted({self.nodes[device] for device in found} & online)
+        alive = identify(grid, owners, len(self.nodes), {}, min(ALIVE_TIMEOUT_S, timeout))[2] if owners else set()
+        for device, node in list(found.items()):
+            if self.nodes[device] in alive:
+                refused[node] = f"node {node} claims partition-id {device}, which node {self.nodes[device]} holds"
+                del found[device]
         for device, node in found.items():
             self.devices.pop(self.nodes[device], None)
             self.log.write({"method": self.job.method.name, "kind": "rejoin", "device": device,

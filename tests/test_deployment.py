@@ -1,0 +1,162 @@
+"""Every part of a real deployment on localhost: a ``flower-superlink`` and ``flower-supernode``
+processes (tests/localhost_federation.py), ``ondevice-moe finetune --federation`` submitting to
+it, each device with a ``data-path`` folder only it has and a ``state-dir`` of its own."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from localhost_federation import LocalFederation, environment, make_security
+
+from ondevice_moe.federation import device as dev
+from ondevice_moe.federation.job import Job
+from ondevice_moe.recipe import validate_recipe
+from ondevice_moe.training import trainable_state
+
+pytestmark = pytest.mark.slow
+BIN = Path(sys.executable).parent
+USERS = ("code", "docs", "tests")
+
+
+def device_folders(root: Path) -> list[Path]:
+    """Per device, a folder of text only it has: different standard-library modules for each."""
+    stdlib = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+    folders = []
+    for device in range(len(USERS)):
+        folder = root / f"private-{USERS[device]}"
+        folder.mkdir(parents=True)
+        for module in stdlib[device * 12:(device + 1) * 12]:
+            (folder / f"{module.stem}.txt").write_text(module.read_text(encoding="utf-8", errors="replace"),
+                                                       encoding="utf-8")
+        folders.append(folder)
+    return folders
+
+
+def device_recipe(path: Path, method: object, rounds: int, timeout: float) -> dict:
+    raw = {"name": "on-devices", "seed": 0, "model": {"name": "tiny-gpt2"},
+           "data": {"context_length": 32, "batch_size": 4, "eval_batch_size": 8, "train_tokens": 3000,
+                    "valid_tokens": 800, "test_tokens": 800,
+                    "users": [{"name": user, "source": "device"} for user in USERS]},
+           "federation": {"rounds": rounds, "local_iterations": 2, "min_clients": 2, "reply_timeout_s": timeout,
+                          "eval_every": rounds},
+           "training": {"router_period": 2, "router_steps": 1},
+           "methods": [method]}
+    path.write_text(yaml.safe_dump(raw), encoding="utf-8")
+    return raw
+
+
+def finetune(recipe: Path, output: Path, cli_home: Path) -> subprocess.Popen:
+    env = environment(cli_home)
+    return subprocess.Popen([str(BIN / "ondevice-moe"), "finetune", str(recipe), "--federation", "local-test",
+                             "--output", str(output)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+
+
+def records(output: Path) -> list[dict]:
+    path = output / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+
+
+def wait_for(output: Path, kind: str, server_round: int, process: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not any(r["kind"] == kind and r.get("round") == server_round for r in records(output)):
+        assert process.poll() is None, process.stdout.read()
+        assert time.monotonic() < deadline, f"no {kind} record of round {server_round} within {timeout}s"
+        time.sleep(0.5)
+
+
+def test_devices_keep_their_data_and_private_state_and_a_killed_device_resumes(tmp_path):
+    data = device_folders(tmp_path / "data")
+    recipe_file = tmp_path / "recipe.yaml"
+    raw = device_recipe(recipe_file, {"name": "comigs", "variant": "1G1S"}, rounds=3, timeout=40)
+    federation = LocalFederation(tmp_path / "federation")
+    try:
+        federation.start_superlink()
+        nodes = [federation.start_supernode(device, data[device]) for device in range(len(USERS))]
+        impostor = federation.start_supernode(1, data[1], name="impostor")  # a second node claiming device 1
+        federation.connection_config(tmp_path / "cli")
+        output = tmp_path / "server-run"
+        run = finetune(recipe_file, output, tmp_path / "cli")
+        wait_for(output, "comm", 1, run)
+        federation.kill(nodes[2])  # SIGKILL mid-run, then the device comes back with the same state-dir
+        time.sleep(2)
+        federation.start_supernode(2, data[2])
+        out, _ = run.communicate(timeout=600)
+        assert run.returncode == 0, out
+    finally:
+        federation.stop()
+    log = records(output)
+    summary = json.loads((output / "summary.json").read_text())
+    method = summary["methods"]["comigs-1G1S"]
+    assert sorted(method["per_user"]) == sorted(USERS)  # the restarted device answered the final evaluation
+    assert "mean_out" not in method  # no device read another's data
+    assert "not measured" in (output / "report.md").read_text()
+    # The device that was killed rejoined under a new node id and resumed its private state from disk.
+    assert [r["device"] for r in log if r["kind"] == "rejoin"] == [2]
+    resumed = [r for r in log if r["kind"] == "train" and r["user"] == "tests" and r["round"] == 3]
+    assert resumed and resumed[0]["resumed_round"] == 1
+    # The impostor (or the device it raced) was refused, with the reason in the log and on the node.
+    refused = [r for r in log if r["kind"] == "refused"]
+    assert refused and "claims partition-id 1" in refused[0]["reason"]
+    assert "the server refused this device" in (impostor.text() + nodes[1].text())
+    # Private tensors never travelled: each upload was exactly the shared experts' bytes.
+    job = Job(validate_recipe(raw), 0, tmp_path)
+    reference = dev.upload_reference(job, 0)
+    kept = [name for name in trainable_state(dev.build_model(job, 0)) if name not in reference]
+    assert kept and all(".private_" in name or "router" in name for name in kept)
+    assert reference and not any(".private_" in name or "router" in name for name in reference)
+    shared_bytes = sum(t.numel() * t.element_size() for t in reference.values())
+    assert {r["bytes_up"] for r in log if r["kind"] == "train"} == {shared_bytes}
+    # The server's folder holds no device's checkpoint; each device's state-dir holds its own.
+    assert not (output / "checkpoints").exists() or not list((output / "checkpoints").rglob("device_*"))
+    for device in range(len(USERS)):  # device 1: on whichever of it and the impostor the server kept
+        homes = ["device1", "impostor"] if device == 1 else [f"device{device}"]
+        states = [tmp_path / "federation" / home / "state" / "on-devices" for home in homes]
+        kept_state = [state for state in states
+                      if (state / "checkpoints" / "comigs-1G1S" / f"device_{device}.safetensors").is_file()]
+        assert len(kept_state) == 1 and (kept_state[0] / "device_state" / "comigs-1G1S" / "context.pb").is_file()
+
+
+def test_tls_and_node_authentication_refuse_strangers_and_a_lost_device_leaves_the_others_a_result(tmp_path):
+    data = device_folders(tmp_path / "data")
+    recipe_file = tmp_path / "recipe.yaml"
+    device_recipe(recipe_file, "fedavg", rounds=2, timeout=30)
+    secure = make_security(tmp_path / "keys", len(USERS) + 1)
+    federation = LocalFederation(tmp_path / "federation", secure)
+    try:
+        federation.start_superlink()
+        federation.connection_config(tmp_path / "cli")
+        for device in range(len(USERS)):  # the stranger's key (the last one) is never registered
+            registered = subprocess.run([str(BIN / "flwr"), "supernode", "register", f"{secure[f'node{device}']}.pub",
+                                         "local-test"], env=environment(tmp_path / "cli"), capture_output=True,
+                                        text=True, timeout=120)
+            assert registered.returncode == 0, registered.stdout + registered.stderr
+        nodes = [federation.start_supernode(device, data[device], private_key=secure[f"node{device}"])
+                 for device in range(len(USERS))]
+        stranger = federation.start_supernode(0, data[0], name="stranger", private_key=secure[f"node{len(USERS)}"])
+        output = tmp_path / "server-run"
+        run = finetune(recipe_file, output, tmp_path / "cli")
+        wait_for(output, "comm", 1, run)
+        federation.kill(nodes[2])  # and it never comes back
+        out, _ = run.communicate(timeout=600)
+        assert run.returncode == 0, out
+        assert "insecure" not in out
+    finally:
+        federation.stop()
+    log = records(output)
+    method = json.loads((output / "summary.json").read_text())["methods"]["fedavg"]
+    assert method["not_evaluated"] == ["tests"] and sorted(method["per_user"]) == ["code", "docs"]
+    assert {(r["round"], r["phase"]) for r in log if r["kind"] == "drop"} == {(2, "train"), (2, "evaluate")}
+    assert not [r for r in log if r["kind"] == "refused"]  # the stranger never got in to claim anything
+    assert "no final figures for tests" in (output / "report.md").read_text()
+    assert "Failed to activate SuperNode" in stranger.text()  # the SuperLink refused its unregistered key
+    assert stranger.popen.returncode not in (None, 0)
