@@ -184,6 +184,27 @@ def _print_summary(summary: dict) -> None:
             console.print(f"[yellow]dropped:[/] {escape(name)}: {escape(users)} (see report.md)")
 
 
+@app.command("device")
+def device_runtime(
+    runtime_api: Annotated[str, typer.Option(
+        help="The Runtime API of this device's SuperNode, started with --isolation process (its --port).")
+    ] = "127.0.0.1:9094",
+    root_certificates: Annotated[Path | None, typer.Option(
+        help="CA certificate of the SuperNode's Runtime API TLS (--ssl-certfile); without it, plain HTTP on "
+             "loopback.")] = None,
+) -> None:
+    """Run this device's ClientApp tasks in one long-lived process: imports and the base model once, not per
+    message (docs/deployment.md). Stop it with Ctrl-C."""
+    from ondevice_moe.federation.device_runtime import serve
+
+    try:
+        serve(runtime_api, root_certificates)
+    except UserError as error:
+        _fail(error)
+    except KeyboardInterrupt:
+        raise typer.Exit(code=0) from None
+
+
 @app.command("inspect")
 def inspect_routing(
     run: Annotated[Path, typer.Argument(help="A run folder written by `ondevice-moe finetune`.")],

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -66,21 +67,27 @@ class LocalFederation:
         return process
 
     def start_supernode(self, partition: int, data_path: Path | None, name: str | None = None,
-                        private_key: Path | None = None) -> Process:
+                        private_key: Path | None = None, warm: bool = False) -> Process:
+        """A SuperNode for ``partition``; ``warm``: with ``--isolation process`` and an ``ondevice-moe
+        device`` process beside it that runs every message (one process per device, docs/deployment.md)."""
         name = name or f"device{partition}"
         folder = self.root / name
         folder.mkdir(parents=True, exist_ok=True)
         node_config = f'partition-id={partition} state-dir="{folder / "state"}"'
         if data_path is not None:
             node_config += f' data-path="{data_path}"'
+        runtime_port = free_port()
         command = [str(BIN / "flower-supernode"), "--superlink", f"127.0.0.1:{self.port}", "--port",
-                   str(free_port()), "--node-config", node_config]
+                   str(runtime_port), "--node-config", node_config]
         if self.secure is None:
             command.append("--insecure")
         else:
             command += ["--root-certificates", str(self.secure["ca_cert"])]
             if private_key is not None:
                 command += ["--auth-supernode-private-key", str(private_key)]
+        if warm:  # both in one session, so that killing the device kills both
+            device = [str(BIN / "ondevice-moe"), "device", "--runtime-api", f"127.0.0.1:{runtime_port}"]
+            command = ["bash", "-c", f"{shlex.join([*command, '--isolation', 'process'])} & exec {shlex.join(device)}"]
         return self._start(name, command, folder)
 
     def connection_config(self, home: Path, name: str = "local-test") -> Path:
@@ -134,20 +141,18 @@ def _kill_group(popen: subprocess.Popen, sig: int) -> None:
         os.killpg(popen.pid, sig)  # also after the leader exited: what it started may live on
 
 
+DEPLOYMENT_DOC = Path(__file__).resolve().parents[1] / "docs" / "deployment.md"
+
+
 def make_security(folder: Path, devices: int) -> dict[str, Path]:
-    """A CA, a SuperLink certificate for 127.0.0.1 and localhost signed by it, and an ECDSA key pair
-    per device for SuperNode authentication (openssl and ssh-keygen, as docs/deployment.md does)."""
+    """A CA, a SuperLink certificate for localhost and 127.0.0.1 signed by it, and an ECDSA key pair per
+    device for SuperNode authentication, made by running docs/deployment.md's block as it is written."""
+    doc = DEPLOYMENT_DOC.read_text(encoding="utf-8")
+    section = doc[doc.index("## 1. Certificates and keys"):doc.index("## 2.")]
+    block = section.split("```bash\n", 1)[1].split("```", 1)[0]
     folder.mkdir(parents=True, exist_ok=True)
-    run = lambda *command: subprocess.run(command, cwd=folder, check=True, capture_output=True)  # noqa: E731
-    run("openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-keyout", "ca.key",
-        "-out", "ca.crt", "-subj", "/CN=ondevice-moe test CA")
-    run("openssl", "req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out", "server.csr",
-        "-subj", "/CN=localhost")
-    (folder / "san.ext").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n", encoding="utf-8")
-    run("openssl", "x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
-        "-out", "server.crt", "-days", "2", "-extfile", "san.ext")
-    files = {"ca_cert": folder / "ca.crt", "server_cert": folder / "server.crt", "server_key": folder / "server.key"}
-    for device in range(devices):
-        run("ssh-keygen", "-t", "ecdsa", "-b", "384", "-N", "", "-q", "-f", f"node{device}")
-        files[f"node{device}"] = folder / f"node{device}"
-    return files
+    env = {**os.environ, "SUPERLINK_HOST": "localhost", "DEVICES": str(devices)}
+    subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=folder, env=env, check=True, capture_output=True)
+    keys = folder / "keys"
+    files = {"ca_cert": keys / "ca.crt", "server_cert": keys / "server.crt", "server_key": keys / "server.key"}
+    return files | {f"node{device}": keys / f"device{device}" for device in range(devices)}

@@ -75,21 +75,22 @@ def wait_for(output: Path, kind: str, server_round: int, process: subprocess.Pop
 
 
 def test_devices_keep_their_data_and_private_state_and_a_killed_device_resumes(tmp_path):
+    """Insecure link, one ``ondevice-moe device`` process per device."""
     data = device_folders(tmp_path / "data")
     recipe_file = tmp_path / "recipe.yaml"
     raw = device_recipe(recipe_file, {"name": "comigs", "variant": "1G1S"}, rounds=3, timeout=40)
     federation = LocalFederation(tmp_path / "federation")
     try:
         federation.start_superlink()
-        nodes = [federation.start_supernode(device, data[device]) for device in range(len(USERS))]
-        impostor = federation.start_supernode(1, data[1], name="impostor")  # a second node claiming device 1
+        nodes = [federation.start_supernode(device, data[device], warm=True) for device in range(len(USERS))]
+        impostor = federation.start_supernode(1, data[1], name="impostor", warm=True)  # a second claim to device 1
         federation.connection_config(tmp_path / "cli")
         output = tmp_path / "server-run"
         run = finetune(recipe_file, output, tmp_path / "cli")
         wait_for(output, "comm", 1, run)
         federation.kill(nodes[2])  # SIGKILL mid-run, then the device comes back with the same state-dir
         time.sleep(2)
-        federation.start_supernode(2, data[2])
+        federation.start_supernode(2, data[2], warm=True)
         out, _ = run.communicate(timeout=600)
         assert run.returncode == 0, out
     finally:
@@ -118,6 +119,10 @@ def test_devices_keep_their_data_and_private_state_and_a_killed_device_resumes(t
     assert {r["bytes_up"] for r in log if r["kind"] == "train"} == {shared_bytes}
     # The server's folder holds no device's checkpoint; each device's state-dir holds its own.
     assert not (output / "checkpoints").exists() or not list((output / "checkpoints").rglob("device_*"))
+    # One process per device: every round's handlers ran in at most one process per device, each loading
+    # the base once; the TLS test below runs Flower's default, a process per message.
+    rounds = [r for r in log if r["kind"] == "round"]
+    assert rounds and all(r["workers"] <= len(USERS) and r["base_loads"] == 1 for r in rounds)
     for device in range(len(USERS)):  # device 1: on whichever of it and the impostor the server kept
         homes = ["device1", "impostor"] if device == 1 else [f"device{device}"]
         states = [tmp_path / "federation" / home / "state" / "on-devices" for home in homes]
