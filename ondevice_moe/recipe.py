@@ -139,6 +139,11 @@ class DataSection(_Section):
     router_validation: Literal["own", "union"] = "own"
 
     @property
+    def brought_by_devices(self) -> bool:
+        """Whether some user's data is the device's own (``source: device``, read from its --node-config)."""
+        return any(source.source == "device" for user in self.users for source in user.sources)
+
+    @property
     def devices(self) -> int:
         """How many devices (simulated clients) the data is dealt to."""
         return self.clients or len(self.users)

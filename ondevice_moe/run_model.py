@@ -46,6 +46,10 @@ def open_user_model(run_dir: Path, method: str, user: str, device: str | None = 
     if user not in recipe.user_names:
         raise UserError(f"no user '{user}' in {run_dir}", f"use one of: {', '.join(recipe.user_names)}")
     user_index = recipe.user_names.index(user)
+    if job.on_device and user_index != job.node.partition_id:
+        own = recipe.user_names[job.node.partition_id]
+        raise UserError(f"{run_dir} is device {job.node.partition_id}'s folder: it holds user '{own}''s model only",
+                        f"use --user {own}, or run this on user '{user}''s device")
     device_index = next(d for d in range(len(job.method.layouts)) if user_index in dev.users_of_device(job, d))
     model = dev.build_model(job, device_index)
     if job.method.trains:

@@ -22,6 +22,7 @@ import yaml
 
 from ondevice_moe.errors import UserError
 from ondevice_moe.federation.job import JOB_ENV, Job
+from ondevice_moe.federation.node import folder_node
 from ondevice_moe.names import folder_name
 from ondevice_moe.overrides import apply_override
 from ondevice_moe.recipe import Recipe
@@ -189,7 +190,7 @@ def evaluate_run(run_dir: Path, suite: str, device: str | None = None) -> dict[s
         raise UserError(f"suite '{suite}' does not fit this {kind} run", f"use --suite {right}")
     records = []
     for job in jobs:
-        for device_index in range(len(job.method.layouts)):
+        for device_index in [job.node.partition_id] if job.on_device else range(len(job.method.layouts)):
             model = dev.build_model(job, device_index)
             if job.method.trains:
                 dev.load_checkpoint(job, device_index, model)
@@ -214,7 +215,8 @@ def finished_jobs(run_dir: Path, device: str | None = None) -> tuple[Recipe, lis
         apply_override(raw, f"model.device={device}")
     recipe = validate_recipe(raw, source=str(recipe_file))
     finished = MetricsLog(Path(run_dir) / "metrics.jsonl").finished()
-    jobs = [job for job in (Job(recipe, index, Path(run_dir)) for index in range(len(recipe.methods)))
+    node = folder_node(Path(run_dir))  # a real device's own folder: its model, its data only
+    jobs = [job for job in (Job(recipe, index, Path(run_dir), node) for index in range(len(recipe.methods)))
             if job.method.name in finished]  # a `flwr run` folder may hold one method of the recipe
     if not jobs:
         raise UserError(f"no method of the run in {run_dir} has finished", "finish it first: run the same "

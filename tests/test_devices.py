@@ -31,6 +31,7 @@ from ondevice_moe.federation.submit import connection, write_app
 from ondevice_moe.names import folder_name
 from ondevice_moe.recipe import load_recipe, validate_recipe
 from ondevice_moe.report import MetricsLog, summarize
+from ondevice_moe.run_model import open_user_model
 
 TINY = Path(__file__).parent / "recipes" / "tiny.yaml"
 USERS = ("code", "docs", "tests")
@@ -147,6 +148,22 @@ def test_each_device_reads_its_own_data_path_and_keeps_its_state_and_checkpoint_
     assert not (tmp_path / "server" / "checkpoints").exists()  # the server holds no device's model
     summary = summarize(records, ["comigs-1G1S"], list(USERS))
     assert "mean_in" in summary["methods"]["comigs-1G1S"] and "mean_out" not in summary["methods"]["comigs-1G1S"]
+
+
+def test_eval_and_export_open_a_devices_own_folder_and_explain_the_servers(tmp_path):
+    folders = private_folders(tmp_path / "data")
+    recipe = device_recipe({"name": "comigs", "variant": "1G1S"}, rounds=1)
+    records = federate(recipe, DeviceGrid(recipe, folders, tmp_path), tmp_path)
+    own = tmp_path / "device1" / "state" / "on-devices"
+    rescored = runner.evaluate_run(own, "lm")["methods"]["comigs-1G1S"]["per_user"]
+    in_run = {r["user"]: r["test_ppl_in"] for r in records if r["kind"] == "eval"}
+    assert list(rescored) == ["docs"] and rescored["docs"]["in"] == pytest.approx(in_run["docs"], rel=1e-5)
+    assert open_user_model(own, "comigs-1G1S", "docs").device == 1
+    with pytest.raises(UserError, match="device 1's folder: it holds user 'docs''s model only"):
+        open_user_model(own, "comigs-1G1S", "code")
+    with pytest.raises(UserError, match="server's folder of a run on real devices") as raised:
+        runner.evaluate_run(tmp_path / "server", "lm")
+    assert "state-dir" in raised.value.fix
 
 
 def test_a_restarted_device_rejoins_under_a_new_node_id_and_resumes_its_private_state(tmp_path):

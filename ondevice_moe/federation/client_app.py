@@ -143,4 +143,6 @@ def evaluate(msg: Message, context: Context) -> Message:
     metrics["device"] = device
     if msg.content["config"].get("final", False) and job.method.trains:
         dev.save_checkpoint(job, device, model)
+        if job.on_device:
+            dev.record_device_finished(job, device)
     return Message(RecordDict({"metrics": MetricRecord({**metrics, **handler_figures(started)})}), reply_to=msg)

@@ -520,6 +520,23 @@ def save_checkpoint(job: Job, device: int, model: nn.Module) -> None:
     save_file({name: tensor.contiguous() for name, tensor in trainable_state(model).items()}, str(path))
 
 
+def record_device_finished(job: Job, device: int) -> None:
+    """On a real device, make its run folder one that ``eval`` and ``export`` open: the recipe, which
+    device it is (``node.json``) and a ``done`` record for the method, beside the checkpoint."""
+    import yaml
+
+    from ondevice_moe.federation.node import NODE_FILE
+    from ondevice_moe.report import MetricsLog
+
+    folder = job.run_dir
+    (folder / "recipe.yaml").write_text(yaml.safe_dump(job.recipe.model_dump(mode="json"), sort_keys=False),
+                                        encoding="utf-8")
+    (folder / NODE_FILE).write_text(job.node.to_json(), encoding="utf-8")
+    log = MetricsLog(folder / "metrics.jsonl")
+    log.discard(job.method.name)
+    log.write({"method": job.method.name, "kind": "done", "device": device})
+
+
 def server_checkpoint_path(job: Job):
     return job.run_dir / "checkpoints" / folder_name(job.method.name) / "server.safetensors"
 
@@ -563,6 +580,9 @@ def load_checkpoint(job: Job, device: int, model: nn.Module) -> None:
     from safetensors.torch import load_file
 
     path = checkpoint_path(job, device)
+    if not path.is_file() and job.recipe.data is not None and job.recipe.data.brought_by_devices:
+        raise UserError(f"{job.run_dir} is the server's folder of a run on real devices: each device keeps its own "
+                        "model", "run it on the device, on its folder <state-dir>/<recipe name> (docs/deployment.md)")
     if not path.is_file():
         raise UserError(f"no checkpoint for method '{job.method.name}', device {device}: {path} is missing",
                         "finish the run first (run the same `ondevice-moe finetune` command again to resume)")

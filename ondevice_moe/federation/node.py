@@ -17,6 +17,7 @@ plain names (:mod:`ondevice_moe.names`), and the server's ``run-dir`` is never u
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +42,25 @@ class NodeFacts:
     def folder(self, recipe_name: str) -> Path:
         """The device's run folder for a recipe: its checkpoints and private state live here."""
         return self.state_dir / recipe_name
+
+    def to_json(self) -> str:
+        return json.dumps({PARTITION: self.partition_id, DATA_PATH: self.data_path and str(self.data_path)})
+
+
+NODE_FILE = "node.json"  # in a device's run folder: which device it is, so `eval` and `export` work there
+
+
+def folder_node(run_dir: Path) -> NodeFacts | None:
+    """The device a run folder belongs to (its ``node.json``), or ``None`` for a server's or a simulation's."""
+    path = run_dir / NODE_FILE
+    if not path.is_file():
+        return None
+    try:
+        facts = json.loads(path.read_text(encoding="utf-8"))
+        return node_facts({**facts, STATE_DIR: str(run_dir.parent)})
+    except (OSError, ValueError, TypeError, AttributeError) as error:
+        raise UserError(f"{path} is damaged ({error})", "it names the device this folder belongs to: restore it, "
+                        "or evaluate on the device with the same --node-config again") from None
 
 
 def node_facts(node_config: dict[str, object]) -> NodeFacts:
