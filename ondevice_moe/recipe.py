@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from ondevice_moe.data.sources import SOURCES
 from ondevice_moe.data.tasks import TASKS
 from ondevice_moe.errors import UserError
+from ondevice_moe.federation.robust import Aggregation
 from ondevice_moe.federation.transport import Transport
 from ondevice_moe.methods.base import Method, MethodContext, MethodOptions
 from ondevice_moe.methods.comigs.config import LoRASizes
@@ -326,7 +327,11 @@ class FederationSection(_Section):
     :mod:`ondevice_moe.federation.device_state`); ``messages_in_flight``: at most this many
     messages out at a time, the next built and sent as a reply comes back (default: two per
     simulation worker; all at once under ``flwr run``;
-    :mod:`ondevice_moe.federation.window`).
+    :mod:`ondevice_moe.federation.window`); ``aggregation``: ``mean`` (the method's rule), or a
+    Byzantine-robust ``median``, ``trimmed-mean`` (``trim_fraction`` cut from each end) or ``krum``
+    (``byzantine`` devices assumed to lie) for methods whose rule is a plain weighted mean
+    (:mod:`ondevice_moe.federation.robust`); ``update_norm_bound``: an upload whose L2 norm exceeds this
+    many times the norm of what the server holds (at least 1) is rejected (``null``: no bound).
     """
 
     rounds: int = Field(20, ge=1)
@@ -346,6 +351,10 @@ class FederationSection(_Section):
     secaggplus: SecAggPlusSection = SecAggPlusSection()
     device_state: Literal["memory", "disk"] = "memory"
     messages_in_flight: int | None = Field(None, ge=1)
+    aggregation: Aggregation = "mean"
+    trim_fraction: float = Field(0.2, ge=0, lt=0.5)
+    byzantine: int = Field(1, ge=0)
+    update_norm_bound: float | None = Field(100.0, gt=0)
 
     @model_validator(mode="after")
     def _one_sampling_rule(self) -> FederationSection:
@@ -497,6 +506,17 @@ class Recipe(_Section):
                 raise ValueError(f"methods {whole} train every base weight, which a {self.model.quantization} "
                                  "base cannot: quantized weights are frozen; drop them, give FLoRAL and Local "
                                  "Adaptor entries `train_base: false`, or set model.quantization: none")
+        if self.federation.aggregation != "mean":
+            from ondevice_moe.federation.rules import ServerRule
+
+            plain = [m.name for m in built if type(m.server_rule) is not ServerRule or m.centralized]
+            if plain:
+                raise ValueError(f"federation.aggregation: {self.federation.aggregation} replaces a plain weighted "
+                                 f"mean of the devices' uploads, which methods {plain} do not take (their rules "
+                                 "weigh by usage, π, centres, peers or ranks); drop them or use aggregation: mean")
+            if self.federation.secure_aggregation != "none":
+                raise ValueError("federation.aggregation needs each device's upload, which SecAgg+ hides; "
+                                 "use aggregation: mean or secure_aggregation: none")
         if self.federation.secure_aggregation != "none":
             from ondevice_moe.federation.secure_aggregation import refusal
 

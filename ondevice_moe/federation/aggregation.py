@@ -11,10 +11,15 @@ misbehaving device from spoiling the global model.
 
 from __future__ import annotations
 
+import math
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+
+MAX_EXAMPLES = 2**31 - 1  # a device reporting more examples than this is lying or broken
+MIXTURE_TOLERANCE = 1e-3  # how far a reported π may sum from 1
 
 
 @dataclass
@@ -59,15 +64,21 @@ def check_update(update: Update, reference: dict[str, torch.Tensor] | None, part
     bytes than its reference (an *oversized* upload, e.g. float64 for float32).
     ``reference`` may hold meta tensors: only names, shapes and dtypes are read.
     """
-    if update.num_examples <= 0:
+    if not 0 < update.num_examples <= MAX_EXAMPLES:
         return f"device {update.device} reported {update.num_examples} training examples"
+    for name, weight in update.usage.items():
+        if not (math.isfinite(weight) and weight >= 0):
+            return f"device {update.device} reported a usage count of {weight} for {name}"
+    if update.mixture and not (all(math.isfinite(p) and p >= 0 for p in update.mixture)
+                               and abs(sum(update.mixture) - 1) <= MIXTURE_TOLERANCE):
+        return f"device {update.device} reported a mixture {list(update.mixture)[:4]} that is no probability vector"
     for name, tensor in update.tensors.items():
         if not torch.isfinite(tensor).all():
             return f"device {update.device} sent non-finite values in {name}"
     if not reference:
         return None
     missing, extra = set(reference) - set(update.tensors), set(update.tensors) - set(reference)
-    if (missing or extra) and not partial:
+    if extra or (missing and not partial):  # a partial upload may leave tensors out, never add others
         return (f"device {update.device} sent unexpected tensors "
                 f"(missing {sorted(missing)[:3]}, extra {sorted(extra)[:3]})")
     for name, tensor in update.tensors.items():
@@ -81,6 +92,24 @@ def check_update(update: Update, reference: dict[str, torch.Tensor] | None, part
             return (f"device {update.device} sent an oversized {name} ({_nbytes(tensor)} bytes as {tensor.dtype}, "
                     f"expected {_nbytes(expected)} as {expected.dtype})")
     return None
+
+
+def norm_outliers(updates: list[Update], held: float | None, bound: float) -> dict[int, str]:
+    """The updates whose L2 norm exceeds ``bound`` times a reference norm (at least 1): the norm of what
+    the server holds (``held``), or before it holds anything, the median norm of the round's updates.
+    A device cannot then blow the global up with huge finite values and lock every honest device out."""
+    norms = {update.device: update_norm(update) for update in updates}
+    if not norms:
+        return {}
+    reference = held if held is not None else statistics.median(norms.values())
+    limit = bound * max(reference, 1.0)
+    return {device: f"device {device} sent an update of norm {norm:.3g}, over {bound:g} × {max(reference, 1.0):.3g}"
+                    f" (federation.update_norm_bound)" for device, norm in norms.items() if norm > limit}
+
+
+def update_norm(update: Update) -> float:
+    """The L2 norm of all of an update's tensors together."""
+    return math.sqrt(sum(float(tensor.detach().double().pow(2).sum()) for tensor in update.tensors.values()))
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

@@ -27,6 +27,7 @@ decides what is sent and what is kept:
 
 from __future__ import annotations
 
+import math
 import random
 import re
 import time
@@ -42,12 +43,13 @@ from flwr.serverapp.strategy import Strategy
 from flwr.supercore import log as flwr_log
 
 from ondevice_moe.errors import UserError
-from ondevice_moe.federation.aggregation import Update, check_update
+from ondevice_moe.federation.aggregation import Update, check_update, norm_outliers
 from ondevice_moe.federation.device import save_server_checkpoint
 from ondevice_moe.federation.evaluation import user_values
 from ondevice_moe.federation.job import Job
 from ondevice_moe.federation.node import REFUSED
 from ondevice_moe.federation.privacy import noise_std
+from ondevice_moe.federation.robust import robust_updates
 from ondevice_moe.federation.rules import Slots
 from ondevice_moe.federation.secure_aggregation import SecureRound, secure_round
 from ondevice_moe.federation.transport import Transport, decode, encode
@@ -180,9 +182,13 @@ def decode_update(update: Update, reference: dict[str, torch.Tensor], kind: Tran
     if problem:
         return update, problem
     try:
-        return replace(update, tensors=decode(update.tensors, kind, reference)), None
+        decoded = decode(update.tensors, kind, reference)
     except ValueError as error:
         return update, f"device {update.device} sent a malformed upload: {error}"
+    for name, tensor in decoded.items():  # fp32 travels as it is: a bool or int8 upload must not become the global
+        if tensor.dtype != reference[name].dtype:
+            return update, f"device {update.device} sent {name} as {tensor.dtype}, expected {reference[name].dtype}"
+    return replace(update, tensors=decoded), None
 
 
 class SlotStrategy(Strategy):
@@ -293,7 +299,9 @@ class SlotStrategy(Strategy):
             raise FederationFailure(
                 f"round {server_round}: {devices} of {len(self._round['sampled'])} devices sent a sound update, "
                 f"fewer than federation.min_clients={self.federation.min_clients} ({reasons or 'no replies'})")
-        self.slots = self.rule.aggregate(self.slots, sound)
+        federation = self.federation
+        combined = robust_updates(sound, federation.aggregation, federation.trim_fraction, federation.byzantine)
+        self.slots = self.rule.aggregate(self.slots, combined)
         self.log.write({"method": self.job.method.name, "round": server_round, "kind": "comm", "bytes_up": bytes_up,
                         "bytes_up_not_experts": bytes_up_other, "bytes_down": sum(self._round["sent"].values()),
                         "devices": devices, "dropped": len(drops)})
@@ -307,7 +315,7 @@ class SlotStrategy(Strategy):
                        drops: dict[int, str]) -> tuple[list[Update], int, int]:
         """The round's sound updates, decoded, with the bytes they took (all, and outside experts);
         each device's ``train`` record is written, the rest go to ``drops``."""
-        sound: list[Update] = []
+        sound: list[tuple[Update, dict[str, Any], int, dict[str, torch.Tensor]]] = []
         bytes_up = bytes_up_other = 0
         for device, reply in self._by_device(replies, self._round["sampled"], drops):
             update, metrics, size, problem = self._read_update(reply, device)
@@ -318,11 +326,22 @@ class SlotStrategy(Strategy):
             if problem:
                 drops[device] = f"update rejected: {problem}"
                 continue
-            sound.append(update)
+            sound.append((update, metrics, size, wire))
+        if self.federation.update_norm_bound is not None:
+            outliers = norm_outliers([update for update, *_ in sound], self._held_norm(),
+                                     self.federation.update_norm_bound)
+            drops.update({device: f"update rejected: {why}" for device, why in outliers.items()})
+            sound = [entry for entry in sound if entry[0].device not in outliers]
+        for update, metrics, size, wire in sound:
             bytes_up += size
             bytes_up_other += sum(t.nbytes for name, t in wire.items() if not is_expert_tensor(name))
-            self._log_train(server_round, device, metrics, size)
-        return sound, bytes_up, bytes_up_other
+            self._log_train(server_round, update.device, metrics, size)
+        return [update for update, *_ in sound], bytes_up, bytes_up_other
+
+    def _held_norm(self) -> float | None:
+        """The L2 norm of what the server holds and sends (``None`` before it holds anything)."""
+        held = [tensor for slot in self.slots.values() for tensor in slot.values()]
+        return math.sqrt(sum(float(t.double().pow(2).sum()) for t in held)) if held else None
 
     def _secure_updates(self, server_round: int, secure: SecureRound,
                         drops: dict[int, str]) -> tuple[list[Update], int, int]:
@@ -348,9 +367,8 @@ class SlotStrategy(Strategy):
         self._time_handler(device, metrics)
         if "update_norm" in metrics:  # the device clipped its update (recipe ``privacy``)
             self._round.setdefault("norms", {})[self._user(device)] = metrics["update_norm"]
-        self.log.write({"method": self.job.method.name, "round": server_round, "kind": "train",
-                        "user": self._user(device), **metrics,
-                        "bytes_up": size, "bytes_down": self._round["sent"][device]})
+        self.log.write({**metrics, "method": self.job.method.name, "round": server_round, "kind": "train",
+                        "user": self._user(device), "bytes_up": size, "bytes_down": self._round["sent"][device]})
 
     def _log_privacy(self, server_round: int) -> None:
         """The round's ``privacy`` record: the recipe's bound and noise, and what the devices
@@ -403,12 +421,12 @@ class SlotStrategy(Strategy):
         for device, reply in self._by_device(replies, list(self.nodes), drops):
             metrics = dict(reply.content["metrics"])
             self._time_handler(device, metrics)
-            for index, name in enumerate(self.job.recipe.user_names):
+            for index in self._own_users(device):  # a device reports for the users it holds, nobody else
                 values = user_values(metrics, index)
                 if values:
                     headline.append(values.get("test_ppl_in", values.get("score")))
-                    self.log.write({"method": self.job.method.name, "round": server_round, "kind": "eval",
-                                    "user": name, **values})
+                    self.log.write({**values, "method": self.job.method.name, "round": server_round, "kind": "eval",
+                                    "user": self.job.recipe.user_names[index]})
         self._record_drops(server_round, "evaluate", drops)
         evaluated = len(self.nodes) - len(drops)
         if server_round == self.total_rounds and evaluated < min(self.federation.min_clients, len(self.nodes)):
@@ -493,8 +511,11 @@ class SlotStrategy(Strategy):
             arrays = content["arrays"]
             usage = dict(content["usage"]) if "usage" in content else {}
             mixture = tuple(float(p) for p in content["mixture"]["pi"]) if "mixture" in content else ()
-            update = Update(device, dict(arrays.to_torch_state_dict()), int(metrics["num-examples"]), usage, mixture)
-        except (KeyError, TypeError, ValueError) as error:
+            examples = metrics["num-examples"]
+            if isinstance(examples, bool) or not float(examples).is_integer():
+                raise ValueError(f"num-examples {examples!r} is not a whole number")
+            update = Update(device, dict(arrays.to_torch_state_dict()), int(examples), usage, mixture)
+        except (KeyError, TypeError, ValueError, OverflowError) as error:
             return Update(device, {}, 0), {}, 0, f"malformed reply ({type(error).__name__}: {error})"
         size = _record_bytes(arrays) + sum(content[key].count_bytes() for key in ("usage", "mixture") if key in content)
         metrics.pop("device", None)
@@ -516,6 +537,10 @@ class SlotStrategy(Strategy):
         for device, reason in sorted(drops.items()):
             self.log.write({"method": self.job.method.name, "round": server_round, "kind": "drop", "phase": phase,
                             "device": device, "user": self._user(device), "reason": reason})
+
+    def _own_users(self, device: int) -> range | list[int]:
+        """The users device ``device`` holds: every user for the centralized upper bound, else its own."""
+        return range(len(self.job.recipe.user_names)) if self.job.method.centralized else [device]
 
     def _user(self, device: int) -> str:
         return "all" if self.job.method.centralized else self.job.recipe.user_names[device]
