@@ -8,6 +8,7 @@ distribution (the union of all users' test splits).
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import statistics
@@ -88,8 +89,22 @@ class MetricsLog:
         os.replace(partial, self.path)
 
 
-def _mean_std(values: list[float]) -> tuple[float, float]:
+def _mean_std(values: list[float]) -> tuple[float | None, float | None]:
+    """Mean and population std; ``None`` for both when a value diverged (inf or NaN: no figure to average)."""
+    if not all(math.isfinite(value) for value in values):
+        return None, None
     return statistics.fmean(values), statistics.pstdev(values) if len(values) > 1 else 0.0
+
+
+def finite_json(value: Any) -> Any:
+    """``value`` with every non-finite float as ``None``, so ``summary.json`` stays strict JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: finite_json(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite_json(item) for item in value]
+    return value
 
 
 # Evaluation record keys → short names in the summary.
@@ -173,6 +188,9 @@ def _values(final: dict[str, dict[str, Any]], users: list[str]) -> dict[str, Any
                      for u in users}}
     for key, short in keys.items():
         values[f"mean_{short}"], values[f"std_{short}"] = _mean_std([final[u][key] for u in users])
+    diverged = [u for u in users if not all(math.isfinite(final[u][key]) for key in keys)]
+    if diverged:
+        values["diverged"] = diverged
     if "score_global" in keys:  # Flow Table 3: the share of clients with Acc_p > Acc_g
         values["benefiting_pct"] = 100.0 * statistics.fmean(final[u]["score"] > final[u]["score_global"] for u in users)
     if "test_ppl_in_global" in keys:  # ... and on a language model, with ppl_p < ppl_g
@@ -182,6 +200,7 @@ def _values(final: dict[str, dict[str, Any]], users: list[str]) -> dict[str, Any
 
 
 NOT_MEASURED = "not measured"
+DIVERGED = "diverged"  # a user's figure is inf or NaN: training blew up (see the `diverged` users in summary.json)
 
 
 def table_rows(summary: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
@@ -197,8 +216,8 @@ def table_rows(summary: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     header += ["of which head (or base)"] if outside else []
     rows = []
     for name, m in methods.items():
-        cells = [f"{m[f'mean_{short}']:.2f} ({m[f'std_{short}']:.2f})" if f"mean_{short}" in m else NOT_MEASURED
-                 for short in shorts]
+        cells = [NOT_MEASURED if f"mean_{short}" not in m else DIVERGED if m[f"mean_{short}"] is None
+                 else f"{m[f'mean_{short}']:.2f} ({m[f'std_{short}']:.2f})" for short in shorts]
         row = [name, *(f"{m['per_user'][u][per_user]:.2f}" if u in m["per_user"] else NOT_MEASURED for u in users),
                *cells,
                format_bytes(m["upload_bytes_per_round"])]
@@ -239,7 +258,8 @@ def write_report(run_dir: Path, recipe_name: str, summary: dict[str, Any], plots
                  facts: Sequence[str] = ()) -> Path:
     """``summary.json`` and ``report.md``: the run's ``facts`` (seed, rounds, devices, date, versions,
     dropped updates), the results table, the method-specific sections and the plots."""
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
+    (run_dir / "summary.json").write_text(json.dumps(finite_json(summary), indent=2, allow_nan=False),
+                                          encoding="utf-8")
     where = ("Per-user columns are in distribution (each user's own test split); out of distribution is the "
              "union of all users' test splits. Mean (std) over users."
              if summary.get("metric", "perplexity") == "perplexity" else

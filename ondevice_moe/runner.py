@@ -110,6 +110,7 @@ def run_recipe(
     if federation is None:
         check_inputs(recipe)
     log = MetricsLog(run_dir / "metrics.jsonl")
+    failures: list[str] = []
     for index in range(len(recipe.methods)):
         job = Job(recipe, index, run_dir)
         if job.method.name in log.finished():
@@ -117,21 +118,30 @@ def run_recipe(
         log.discard(job.method.name)
         if on_method is not None:
             on_method(job.method.name, index, len(recipe.methods))
-        if federation is not None:
-            from ondevice_moe.federation.submit import submit
-
-            submit(job, federation, on_round)
-            continue
         try:
-            _simulate(job, on_round)
+            _run_method(job, on_round, federation)
         except Exception as error:  # the ServerApp logged the cause; report it in one line below
-            log.write({"method": job.method.name, "kind": "error", "message": f"{type(error).__name__}: {error}"})
-        if job.method.name not in log.finished():
+            message = error.problem if isinstance(error, UserError) else f"{type(error).__name__}: {error}"
+            log.write({"method": job.method.name, "kind": "error", "message": message})
+        if job.method.name not in log.finished():  # the other methods go on; the run then ends in this error
             errors = [r["message"] for r in log.read() if r.get("method") == job.method.name and r["kind"] == "error"]
-            raise UserError(f"method '{job.method.name}' did not finish: "
-                            f"{errors[-1] if errors else 'see the log above'}",
-                            "fix the cause and run the same command again: finished methods are kept")
-    return finish_report(recipe, run_dir)
+            cause = errors[-1] if errors else "see the log above"
+            failures.append(f"method '{job.method.name}' did not finish: {cause}")
+    result = finish_report(recipe, run_dir)
+    if failures:
+        raise UserError("; ".join(failures), "fix the cause and run the same command again: finished methods are "
+                        f"kept (their results are in {result.report})")
+    return result
+
+
+def _run_method(job: Job, on_round: Callable[[int, int, str], None] | None, federation: str | None) -> None:
+    """One method: on the SuperLink ``federation`` names, or in Flower's simulation on this machine."""
+    if federation is None:
+        _simulate(job, on_round)
+        return
+    from ondevice_moe.federation.submit import submit
+
+    submit(job, federation, on_round)
 
 
 def finish_report(recipe: Recipe, run_dir: Path) -> RunResult:

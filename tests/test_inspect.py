@@ -226,3 +226,15 @@ def test_the_page_renders_in_headless_chromium(tiny_run, tmp_path):
     legend = {tuple(int(c[i : i + 2], 16) for i in (1, 3, 5)) for c in expert_colours(NAMES).values()}
     assert legend <= seen, "the legend's expert colours are not on the rendered page"
     assert len(seen) > 50, "the page rendered blank"
+
+
+def test_a_file_name_with_html_is_shown_as_text_not_markup(tiny_run, tmp_path):
+    crafted = tmp_path / "<script>alert(1)<"
+    crafted.mkdir()
+    source = crafted / "x.py"
+    source.write_text(TEXT, encoding="utf-8")
+    result = CliRunner().invoke(app, ["inspect", str(tiny_run), "--method", "comigs-1G1S", "--user", "code",
+                                      "--file", str(source), "--to", str(tmp_path / "out.html")])
+    assert result.exit_code == 0, result.output
+    page = (tmp_path / "out.html").read_text(encoding="utf-8")
+    assert "<script>" not in page and "&lt;script&gt;alert(1)&lt;" in page

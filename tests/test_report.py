@@ -62,3 +62,20 @@ def test_every_communication_bar_carries_its_value(tmp_path, monkeypatch):
     labels = [text.get_text() for text in figures[0].axes[0].texts]
     assert labels == [report.format_bytes(2**30), report.format_bytes(3 * 2**20)]
     plt.close("all")
+
+
+def test_a_diverged_user_is_reported_as_diverged_and_the_summary_stays_strict_json(tmp_path):
+    import json
+
+    records = [{"method": "fedavg", "round": 2, "kind": "eval", "user": user, "test_ppl_in": value,
+                "test_ppl_out": 5.0} for user, value in (("a", float("inf")), ("b", 3.0))]
+    records += [{"method": "local", "round": 2, "kind": "eval", "user": user, "test_ppl_in": 4.0,
+                 "test_ppl_out": float("nan")} for user in ("a", "b")]
+    summary = report.summarize(records, ["fedavg", "local"], ["a", "b"])
+    assert summary["methods"]["fedavg"]["diverged"] == ["a"] and summary["methods"]["fedavg"]["mean_in"] is None
+    assert summary["methods"]["fedavg"]["mean_out"] == 5.0  # what did not diverge is still averaged
+    text = report.write_report(tmp_path, "tiny", summary, []).read_text()
+    assert "| fedavg | inf | 3.00 | diverged | 5.00 (0.00) |" in text
+    written = json.loads((tmp_path / "summary.json").read_text())  # strict: no Infinity or NaN tokens
+    assert written["methods"]["fedavg"]["per_user"]["a"]["in"] is None
+    assert "NaN" not in (tmp_path / "summary.json").read_text()

@@ -110,9 +110,10 @@ def _routing_section(opened: UserModel, text: str | None, text_source: str, expe
         routing = capture_token_routing(model, shown.input_ids, shown.tokens, [e.name for e in experts])
         colours = {e.name: e.colour for e in experts}
         path = plot_token_grid(routing, colours, _png(out, "tokens", pngs))
-        return [*sections, f'<p class="note">{shown.source} Each token is coloured by the expert with the largest '
-                f"routing weight at that layer (CoMiGS Fig. 6–7); a paler colour means a closer call. Hover a token "
-                "for every expert's weight.</p>", token_rows(routing, colours), image(path, "chosen expert per token")]
+        return [*sections, f'<p class="note">{escape(shown.source)} Each token is coloured by the expert with the '
+                f"largest routing weight at that layer (CoMiGS Fig. 6–7); a paler colour means a closer call. Hover a "
+                "token for every expert's weight.</p>", token_rows(routing, colours),
+                image(path, "chosen expert per token")]
     weights = client_weights(model)
     if weights is not None:
         what = ("FLoRAL's π: one mixture for the whole device, the same at every layer and for every input"

@@ -68,7 +68,7 @@ def token_rows(routing: TokenRouting, colours: dict[str, str]) -> str:
             strength = (row[index] - 1 / n) / (1 - 1 / n)
             title = " · ".join(f"{e} {w:.2f}" for e, w in zip(routing.experts, row, strict=True))
             text = escape(token.replace("\n", "⏎\n"))
-            spans.append(f'<span class="t" data-layer="{layer}" data-expert="{name}" title="{title}" '
+            spans.append(f'<span class="t" data-layer="{layer}" data-expert="{escape(name)}" title="{escape(title)}" '
                          f'style="background:{_rgba(colours[name], 0.2 + 0.7 * float(strength))}">{text}</span>')
         rows.append(f'<div class="layer"><b>layer {layer}</b><span class="tokens">{"".join(spans)}</span></div>')
     return "\n".join(rows)
@@ -78,7 +78,7 @@ def client_bars(weights: dict[str, list[float]], experts: list[Expert]) -> str:
     """FLoRAL's π (or FDLoRA's weights) as one stacked bar per layer."""
     rows = []
     for label, vector in weights.items():
-        bars = "".join(f'<span class="bar" title="{e.name} {w:.3f}" style="width:{400 * w:.1f}px;'
+        bars = "".join(f'<span class="bar" title="{escape(e.name)} {w:.3f}" style="width:{400 * w:.1f}px;'
                        f'background:{e.colour}"></span>' for e, w in zip(experts, vector, strict=True))
         numbers = ", ".join(f"{e.name} {w:.3f}" for e, w in zip(experts, vector, strict=True))
         rows.append(f'<div class="layer"><b>{escape(label)}</b>{bars}&nbsp;<small>{escape(numbers)}</small></div>')
