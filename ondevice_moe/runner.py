@@ -12,7 +12,8 @@ from __future__ import annotations
 import logging
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -107,6 +108,56 @@ def run_recipe(
 
         recipe = with_deployment_defaults(recipe)
     run_dir = prepare_run_dir(recipe, output)
+    with run_lock(run_dir):
+        return _run_methods(recipe, run_dir, on_method, on_round, federation)
+
+
+LOCK = ".lock"
+
+
+@contextmanager
+def run_lock(run_dir: Path) -> Iterator[None]:
+    """Hold the run folder for this process (``.lock`` with its pid) while it runs: a second
+    ``finetune`` into the same folder is refused while the first lives; a lock its dead owner left is taken over."""
+    lock = run_dir / LOCK
+    for _ in range(2):
+        try:
+            handle = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            owner = _lock_owner(lock)
+            if owner is not None and _alive(owner):
+                raise UserError(f"another ondevice-moe run (pid {owner}) is writing to {run_dir}",
+                                "wait for it to finish, or choose another --output folder") from None
+            lock.unlink(missing_ok=True)  # its owner is gone: take the folder over
+            continue
+        with os.fdopen(handle, "w") as file:
+            file.write(str(os.getpid()))
+        break
+    try:
+        yield
+    finally:
+        lock.unlink(missing_ok=True)
+
+
+def _lock_owner(lock: Path) -> int | None:
+    try:
+        return int(lock.read_text(encoding="utf-8").strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _run_methods(recipe: Recipe, run_dir: Path, on_method: Callable[[str, int, int], None] | None,
+                 on_round: Callable[[int, int, str], None] | None, federation: str | None) -> RunResult:
     if federation is None:
         check_inputs(recipe)
     log = MetricsLog(run_dir / "metrics.jsonl")

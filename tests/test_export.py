@@ -3,6 +3,7 @@ metrics, private experts stay home by default, the card, the Hub, and bad input.
 
 import json
 import shutil
+from fnmatch import fnmatch
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from typer.testing import CliRunner
 
 import ondevice_moe
 from ondevice_moe.cli import app
+from ondevice_moe.export.toolkit_format import WRITTEN_LIST
 from ondevice_moe.federation.evaluation import evaluate_device, user_values
 from ondevice_moe.federation.job import Job
 from ondevice_moe.recipe import load_recipe
@@ -93,10 +95,35 @@ def test_the_card_describes_the_run(tiny_run, tmp_path):
 def test_peft_only_writes_adapters_and_the_card(tiny_run, tmp_path):
     result = _export(tiny_run, tmp_path / "out", "--format", "peft", method="fedavg")
     assert result.exit_code == 0, result.output
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["README.md", "shared_0", "shared_1"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [WRITTEN_LIST, "README.md", "shared_0", "shared_1"]
     assert all((tmp_path / "out" / name / "adapter_config.json").is_file() for name in ("shared_0", "shared_1"))
     card = (tmp_path / "out" / "README.md").read_text()
     assert "load_adapted(None" not in card and "mixes 2 experts (shared_0, shared_1)" in card
+
+
+def test_force_never_touches_a_folder_no_export_wrote(tiny_run, tmp_path):
+    mine = tmp_path / "mine"
+    (mine / "photos").mkdir(parents=True)
+    (mine / "README.md").write_text("my notes")
+    (mine / "photos" / "adapter_config.json").write_text("{}")  # looks like an adapter, is not ours
+    result = _export(tiny_run, mine, "--force")
+    assert result.exit_code == 2 and "holds files that no ondevice-moe export wrote" in " ".join(result.output.split())
+    assert (mine / "README.md").read_text() == "my notes" and (mine / "photos" / "adapter_config.json").exists()
+
+
+def test_force_removes_only_what_the_earlier_export_listed_and_follows_no_link(tiny_run, tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("keep")
+    assert _export(tiny_run, tmp_path / "out", "--experts", "all").exit_code == 0
+    (tmp_path / "out" / "notes.txt").write_text("mine")  # added by the user after the export
+    listed = json.loads((tmp_path / "out" / WRITTEN_LIST).read_text())
+    adapter = next(name for name in listed if (tmp_path / "out" / name).is_dir())
+    shutil.rmtree(tmp_path / "out" / adapter)
+    (tmp_path / "out" / adapter).symlink_to(outside)  # a link where a listed adapter folder stood
+    result = _export(tiny_run, tmp_path / "out", "--force")
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "out" / "notes.txt").read_text() == "mine" and (outside / "keep.txt").exists()
 
 
 def test_force_replaces_an_earlier_export(tiny_run, tmp_path):
@@ -160,8 +187,9 @@ def test_push_creates_the_repo_and_uploads_the_folder(tiny_run, tmp_path, monkey
         calls.append(("create", repo_id, private, exist_ok))
         return f"https://huggingface.co/{repo_id}"
 
-    def upload_folder(repo_id, folder_path, commit_message=None):
-        calls.append(("upload", repo_id, sorted(p.name for p in Path(folder_path).iterdir())))
+    def upload_folder(repo_id, folder_path, commit_message=None, ignore_patterns=()):
+        calls.append(("upload", repo_id, sorted(p.name for p in Path(folder_path).iterdir()
+                                                if not any(fnmatch(p.name, pattern) for pattern in ignore_patterns))))
 
     monkeypatch.setattr(huggingface_hub, "is_offline_mode", lambda: False)
     monkeypatch.setattr(huggingface_hub, "create_repo", create_repo)

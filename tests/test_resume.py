@@ -118,3 +118,24 @@ def test_unusable_run_folder_is_one_user_error(tmp_path, damage):
         runner.prepare_run_dir(recipe, run_dir)
     assert str(run_dir) in error.value.problem
     assert error.value.fix
+
+
+def test_a_second_run_into_a_folder_in_use_is_refused_and_a_dead_owners_lock_taken_over(tmp_path, monkeypatch):
+    import os
+    import subprocess
+
+    recipe = load_recipe(TINY)
+    run_dir = runner.prepare_run_dir(recipe, tmp_path / "run")
+    monkeypatch.setattr(runner, "check_inputs", lambda _: None)
+    simulated = []
+    monkeypatch.setattr(runner, "_simulate", lambda job, _: simulated.append(job.method.name))
+    (run_dir / runner.LOCK).write_text(str(os.getpid()))  # a live owner: this very process
+    with pytest.raises(UserError, match=f"another ondevice-moe run \\(pid {os.getpid()}\\) is writing"):
+        runner.run_recipe(recipe, run_dir)
+    assert simulated == []
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    (run_dir / runner.LOCK).write_text(str(gone.pid))  # its owner was killed
+    with pytest.raises(UserError, match="did not finish"):  # the stub trains nothing, but the run went ahead
+        runner.run_recipe(recipe, run_dir)
+    assert simulated == ["pretrained", "fedavg", "comigs-1G1S"] and not (run_dir / runner.LOCK).exists()

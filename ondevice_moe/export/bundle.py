@@ -8,6 +8,7 @@ The folder holds, by ``fmt``: the toolkit's format (``toolkit``: the whole model
 
 from __future__ import annotations
 
+import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,11 +19,11 @@ from ondevice_moe.export.hub import check_online, push_to_hub
 from ondevice_moe.export.mixture_gap import GAP_BLOCKS, MixtureGap, mixture_gap
 from ondevice_moe.export.model_card import base_model_of, model_card, write_model_card
 from ondevice_moe.export.peft_format import check_peft_expressible, peft_experts, write_peft_folder
-from ondevice_moe.export.toolkit_format import MANIFEST, RECIPE, TENSORS, write_toolkit_export
+from ondevice_moe.export.toolkit_format import MANIFEST, RECIPE, TENSORS, WRITTEN_LIST, write_toolkit_export
+from ondevice_moe.names import is_plain_name
 from ondevice_moe.run_model import UserModel, open_user_model
 
 FORMATS = ("both", "toolkit", "peft")
-PEFT_CONFIG = "adapter_config.json"
 WRITTEN = ("README.md", MANIFEST, RECIPE, TENSORS)
 
 
@@ -74,6 +75,7 @@ def export_user(run_dir: Path, method: str, user: str, to: Path, experts: list[s
     gap = _gap(user_model)
     write_model_card(folder, model_card(user_model, parts, selected, names, fmt != "peft", gap,
                                           push_to or folder.name))
+    _record_written(folder, peft_folders)
     url = push_to_hub(folder, push_to, private) if push_to is not None else None
     return ExportResult(folder, tuple(selected), peft_folders, gap, url)
 
@@ -81,17 +83,46 @@ def export_user(run_dir: Path, method: str, user: str, to: Path, experts: list[s
 def _check_target(folder: Path, force: bool) -> None:
     if folder.exists() and not folder.is_dir():
         raise UserError(f"{folder} is a file", "choose a folder for --to")
-    if folder.is_dir() and any(folder.iterdir()) and not force:
+    if not folder.is_dir() or not any(folder.iterdir()):
+        return
+    if not force:
         raise UserError(f"{folder} is not empty", "choose another --to folder, or pass --force to overwrite "
                         "an earlier export there")
+    _written_before(folder)  # --force replaces an earlier export, never a folder of the user's
+
+
+def _written_before(folder: Path) -> list[str]:
+    """What an earlier export wrote into ``folder`` (its ``WRITTEN_LIST``); a folder without one was never an export."""
+    record = folder / WRITTEN_LIST
+    fix = "choose an empty or new --to folder: --force only replaces what an earlier export wrote"
+    if not record.is_file() or record.is_symlink():
+        raise UserError(f"{folder} holds files that no ondevice-moe export wrote", fix)
+    try:
+        names = json.loads(record.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        raise UserError(f"{record} is damaged ({error})", fix) from None
+    if not isinstance(names, list) or not all(isinstance(n, str) and is_plain_name(n) for n in names):
+        raise UserError(f"{record} does not list plain names", fix)
+    return names
 
 
 def _clear_previous(folder: Path) -> None:
-    """Remove what an earlier export wrote into ``folder``: its files and PEFT adapter folders (and nothing else)."""
-    for name in WRITTEN:
-        (folder / name).unlink(missing_ok=True)
-    for adapter in folder.glob(f"*/{PEFT_CONFIG}") if folder.is_dir() else ():
-        shutil.rmtree(adapter.parent)
+    """Remove what an earlier export wrote into ``folder`` (as it listed it), and nothing else: a link is
+    removed as a link, never followed."""
+    if not folder.is_dir() or not any(folder.iterdir()):
+        return
+    for name in _written_before(folder):
+        path = folder / name
+        if path.is_symlink() or path.is_file():
+            path.unlink()
+        elif path.is_dir():
+            shutil.rmtree(path)
+    (folder / WRITTEN_LIST).unlink()
+
+
+def _record_written(folder: Path, peft_folders: tuple[Path, ...]) -> None:
+    names = [name for name in WRITTEN if (folder / name).is_file()] + [path.name for path in peft_folders]
+    (folder / WRITTEN_LIST).write_text(json.dumps(names), encoding="utf-8")
 
 
 def _gap(user_model: UserModel) -> MixtureGap | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ondevice_moe.errors import UserError
+from ondevice_moe.export.toolkit_format import WRITTEN_LIST
 
 
 def check_online(repo_id: str) -> None:
@@ -29,7 +30,7 @@ def push_to_hub(folder: Path, repo_id: str, private: bool) -> str:
     later = f"the export in {folder} is complete: push it later with `hf upload {repo_id} {folder}`"
     try:
         url = huggingface_hub.create_repo(repo_id, private=private, exist_ok=True)
-        huggingface_hub.upload_folder(repo_id=repo_id, folder_path=str(folder),
+        huggingface_hub.upload_folder(repo_id=repo_id, folder_path=str(folder), ignore_patterns=[WRITTEN_LIST],
                                       commit_message="Upload an ondevice-moe export")
     except HFValidationError as error:
         raise UserError(f"'{repo_id}' is not a Hub repository name ({error})", "use ORG/NAME") from None

@@ -23,6 +23,7 @@ from ondevice_moe.export.experts import Part
 from ondevice_moe.run_model import UserModel
 
 MANIFEST = "export.json"
+WRITTEN_LIST = ".ondevice-moe-written.json"  # what an export wrote, so that `export --force` removes only that
 TENSORS = "experts.safetensors"
 RECIPE = "recipe.yaml"
 FORMAT = "ondevice-moe-export"
