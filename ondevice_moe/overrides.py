@@ -6,6 +6,7 @@ from typing import Any, NoReturn
 
 import yaml
 
+from ondevice_moe import strict_yaml
 from ondevice_moe.errors import UserError
 
 
@@ -40,7 +41,7 @@ def _not_a_section(key: str, path: list[str]) -> NoReturn:
 def _parse_value(key: str, text: str) -> Any:
     """The YAML value of an override (empty text: null)."""
     try:
-        return yaml.safe_load(text) if text else None
+        return strict_yaml.load(text) if text else None
     except yaml.YAMLError as error:
         problem = " ".join(str(getattr(error, "problem", None) or error).split())
         raise UserError(f"override '{key}': the value {text!r} is not valid YAML ({problem})",

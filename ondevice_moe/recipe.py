@@ -14,6 +14,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from ondevice_moe import strict_yaml
 from ondevice_moe.data.sources import SOURCES
 from ondevice_moe.data.tasks import TASKS
 from ondevice_moe.errors import UserError
@@ -77,7 +78,7 @@ class SourceSection(_Section):
     """One data source; the options a source does not use are ignored by it."""
 
     source: str
-    weight: float = Field(1.0, gt=0)
+    weight: float = Field(1.0, gt=0, allow_inf_nan=False)
     path: str | None = None
     categories: list[str] | None = None
     dataset: str | None = None
@@ -238,6 +239,9 @@ class TaskSection(_Section):
             raise ValueError(f"{file_keys} only apply to your own labelled file: give `path` too, or drop them")
         if self.path is not None and self.name in TASKS:
             raise ValueError(f"'{self.name}' is a registered task; give the task read from `path` another name")
+        if self.path is not None and self.label_column in self.text_columns:
+            raise ValueError(f"text_columns {self.text_columns} include the label_column '{self.label_column}': the "
+                             "model would read the answer; name the columns that hold the text")
         if self.path is not None and self.labels is None:
             raise ValueError("a task read from `path` needs `labels`: its class names in index order, "
                              "e.g. [negative, positive]")
@@ -338,7 +342,7 @@ class FederationSection(_Section):
     local_iterations: int = Field(10, ge=1)
     local_epochs: int | None = Field(None, ge=1)
     weighting: Literal["uniform", "num_examples"] = "uniform"
-    cpus_per_client: float = Field(2.0, gt=0)
+    cpus_per_client: float = Field(2.0, ge=0.1)
     gpus_per_client: float = Field(0.0, ge=0)
     fraction_train: float | None = Field(None, gt=0, le=1)
     clients_per_round: int | None = Field(None, ge=1)
@@ -449,8 +453,8 @@ class Recipe(_Section):
 
     name: str
     description: str = ""
-    seed: int = 0
-    data_seed: int | None = None
+    seed: int = Field(0, ge=0, lt=2**32)
+    data_seed: int | None = Field(None, ge=0, lt=2**32)
     model: ModelSection = ModelSection()
     experts: LoRASizes = LoRASizes()
     hermes: HermesSizes = HermesSizes()
@@ -525,6 +529,7 @@ class Recipe(_Section):
                 raise ValueError("secure_aggregation: secaggplus only sums one weighted vector per device, so it "
                                  "cannot run " + "; ".join(refused) + ". Drop these methods or set "
                                  "federation.secure_aggregation: none")
+        self._faults_fit()
         names = [m.name for m in built]
         repeated = sorted({name for name in names if names.count(name) > 1})
         if repeated:
@@ -538,6 +543,22 @@ class Recipe(_Section):
         if len(set(folders)) != len(folders):
             raise ValueError(f"method names {names} would share a folder ({folders}); give one entry a `label`")
         return self
+
+    def _faults_fit(self) -> None:
+        """Simulated faults name devices and rounds the recipe has; SecAgg+ has at least two devices a round."""
+        devices, rounds = len(self.user_names), self.federation.rounds
+        for fault in self.federation.faults:
+            if fault.device >= devices:
+                raise ValueError(f"a fault names device {fault.device}, but the recipe has devices 0 to {devices - 1}")
+            outside = sorted(r for r in ([] if fault.rounds == "all" else fault.rounds) if not 1 <= r <= rounds)
+            if outside:
+                raise ValueError(f"a fault of device {fault.device} names rounds {outside}, outside 1 to {rounds}")
+        if self.federation.secure_aggregation != "none":
+            per_round = self.federation.clients_per_round or max(1, int((self.federation.fraction_train or 1)
+                                                                        * devices))
+            if per_round < 2:
+                raise ValueError(f"secure_aggregation: secaggplus masks each device's update with the others', so "
+                                 f"it needs at least 2 devices a round (this recipe has {per_round})")
 
     @field_validator("name")
     @classmethod
@@ -610,7 +631,7 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None, seed: int 
     if not path.is_file():
         raise UserError(f"recipe {path} does not exist", "run `ondevice-moe recipes list` to see the bundled recipes")
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        raw = strict_yaml.load(path.read_text(encoding="utf-8"))
     except (yaml.YAMLError, UnicodeDecodeError) as error:
         raise UserError(f"recipe {path} is not valid YAML: {error}", "fix the YAML syntax") from None
     except OSError as error:

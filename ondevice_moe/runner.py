@@ -21,6 +21,7 @@ from typing import Any
 
 import yaml
 
+from ondevice_moe import strict_yaml
 from ondevice_moe.errors import UserError
 from ondevice_moe.federation.job import JOB_ENV, Job
 from ondevice_moe.federation.node import folder_node
@@ -271,7 +272,7 @@ def finished_jobs(run_dir: Path, device: str | None = None) -> tuple[Recipe, lis
     recipe_file = Path(run_dir) / "recipe.yaml"
     if not recipe_file.is_file():
         raise UserError(f"{run_dir} is not a run folder (no recipe.yaml)", "pass the --output folder of a finetune run")
-    raw = yaml.safe_load(recipe_file.read_text(encoding="utf-8"))
+    raw = strict_yaml.read_mapping(recipe_file, "restore the run folder's recipe.yaml, or run finetune again")
     if device is not None:
         apply_override(raw, f"model.device={device}")
     recipe = validate_recipe(raw, source=str(recipe_file))

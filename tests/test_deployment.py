@@ -5,6 +5,7 @@ it, each device with a ``data-path`` folder only it has and a ``state-dir`` of i
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import sysconfig
@@ -13,16 +14,33 @@ from pathlib import Path
 
 import pytest
 import yaml
-from localhost_federation import LocalFederation, environment, make_security
 
 from ondevice_moe.federation import device as dev
 from ondevice_moe.federation.job import Job
+from ondevice_moe.federation.localhost import LocalFederation, environment
 from ondevice_moe.recipe import validate_recipe
 from ondevice_moe.training import trainable_state
 
 pytestmark = pytest.mark.slow
 BIN = Path(sys.executable).parent
 USERS = ("code", "docs", "tests")
+
+
+DEPLOYMENT_DOC = Path(__file__).resolve().parents[1] / "docs" / "deployment.md"
+
+
+def make_security(folder: Path, devices: int) -> dict[str, Path]:
+    """A CA, a SuperLink certificate for localhost and 127.0.0.1 signed by it, and an ECDSA key pair per
+    device for SuperNode authentication, made by running docs/deployment.md's block as it is written."""
+    doc = DEPLOYMENT_DOC.read_text(encoding="utf-8")
+    section = doc[doc.index("## 1. Certificates and keys"):doc.index("## 2.")]
+    block = section.split("```bash\n", 1)[1].split("```", 1)[0]
+    folder.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "SUPERLINK_HOST": "localhost", "DEVICES": str(devices)}
+    subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=folder, env=env, check=True, capture_output=True)
+    keys = folder / "keys"
+    files = {"ca_cert": keys / "ca.crt", "server_cert": keys / "server.crt", "server_key": keys / "server.key"}
+    return files | {f"node{device}": keys / f"device{device}" for device in range(devices)}
 
 
 def device_folders(root: Path) -> list[Path]:
@@ -165,3 +183,16 @@ def test_tls_and_node_authentication_refuse_strangers_and_a_lost_device_leaves_t
     assert "no final figures for tests" in (output / "report.md").read_text()
     assert "Failed to activate SuperNode" in stranger.text()  # the SuperLink refused its unregistered key
     assert stranger.popen.returncode not in (None, 0)
+
+
+def test_the_deployment_benchmark_runs_on_devices_with_one_process_each(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import deployment_rounds
+
+    figures = deployment_rounds.main(["--recipe", str(Path(__file__).parent / "recipes" / "tiny.yaml"),
+                                      "--rounds", "1", "--iterations", "1", "--modes", "deployment + device",
+                                      "--output", str(tmp_path)])
+    measured = figures["deployment + device"]
+    assert measured["base_loads"] == 1 and measured["workers_per_round"] <= 3
+    assert 0 < measured["busiest_worker_s"] < measured["round_wall_s"] and measured["mean_in"]["fedavg"] > 1
+    assert "| deployment + device |" in (tmp_path / "deployment_rounds.md").read_text()

@@ -90,7 +90,10 @@ def jsonl(path: str | None = None, text_field: str = "text", **_: object) -> Doc
         if text_field not in record:
             raise UserError(f"{file}:{number} has no field '{text_field}'",
                             "set `text_field` to the field holding the text")
-        yield str(record[text_field])
+        if not isinstance(record[text_field], str):
+            raise UserError(f"{file}:{number}: '{text_field}' is {_JSON_KINDS[type(record[text_field])]}, not text",
+                            "give every line a string in that field, or drop the line")
+        yield record[text_field]
 
 
 def jsonl_objects(lines: Iterable[str], file: Path, example: str = "{...}") -> Iterator[tuple[int, dict]]:
@@ -208,6 +211,8 @@ def _existing_path(path: str | None, source: str) -> Path:
     resolved = Path(path).expanduser()
     if not resolved.exists():
         raise UserError(f"{source} path {resolved} does not exist", "check the path in the recipe")
+    if not (resolved.is_file() or resolved.is_dir()):  # a FIFO, socket or device would block or never end
+        raise UserError(f"{source} path {resolved} is not a regular file or folder", "point it at your data file")
     return resolved
 
 

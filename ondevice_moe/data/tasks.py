@@ -348,6 +348,9 @@ def _user_rows(file: UserTaskFile) -> Iterator[tuple[tuple[str, ...], object]]:
                 yield tuple(str(record[column]) for column in file.text_columns), record[file.label_column]
     except UnicodeDecodeError as error:
         raise UserError(f"task file {path} is not UTF-8 text: {error.reason}", "save it as UTF-8") from None
+    except csv.Error as error:  # a field past csv's size limit, a stray NUL, an unclosed quote
+        raise UserError(f"task file {path} is not valid {suffix[1:].upper()}: {error}",
+                        "fix the file (a field may hold at most 131,072 characters), or save it as .jsonl") from None
 
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import yaml
 from torch import nn
 
+from ondevice_moe import strict_yaml
 from ondevice_moe.errors import UserError
 from ondevice_moe.export.experts import Part
 from ondevice_moe.run_model import UserModel
@@ -82,7 +83,7 @@ def load_adapted(base: nn.Module | None, folder: str | Path, device: str | None 
 
     folder = Path(folder)
     manifest = read_manifest(folder)
-    raw = yaml.safe_load((folder / RECIPE).read_text(encoding="utf-8"))
+    raw = strict_yaml.read_mapping(folder / RECIPE, "re-export the folder; do not edit its recipe.yaml")
     if device is not None:
         apply_override(raw, f"model.device={device}")
     job = Job(validate_recipe(raw, source=str(folder / RECIPE)), int(manifest["method_index"]), folder)

@@ -1,6 +1,9 @@
-"""A real Flower deployment on this machine, for tests: one ``flower-superlink`` and one
-``flower-supernode`` per device, each process with its own working folder and home, on
-loopback ports chosen free by the test, every process stopped by PID at the end."""
+"""A real Flower deployment on one machine: one ``flower-superlink`` and one ``flower-supernode`` per
+device, each process in its own working folder with its own home, on loopback ports chosen free,
+every process stopped by its PID (its whole session) at the end. For trying the deployment path
+on a laptop, and for the deployment tests and benchmarks (tests/test_deployment.py,
+benchmarks/deployment_rounds.py); the commands are those of docs/deployment.md.
+"""
 
 from __future__ import annotations
 
@@ -139,20 +142,3 @@ def _kill_group(popen: subprocess.Popen, sig: int) -> None:
     """Signal the process's whole session (it and what it started), by its PID."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(popen.pid, sig)  # also after the leader exited: what it started may live on
-
-
-DEPLOYMENT_DOC = Path(__file__).resolve().parents[1] / "docs" / "deployment.md"
-
-
-def make_security(folder: Path, devices: int) -> dict[str, Path]:
-    """A CA, a SuperLink certificate for localhost and 127.0.0.1 signed by it, and an ECDSA key pair per
-    device for SuperNode authentication, made by running docs/deployment.md's block as it is written."""
-    doc = DEPLOYMENT_DOC.read_text(encoding="utf-8")
-    section = doc[doc.index("## 1. Certificates and keys"):doc.index("## 2.")]
-    block = section.split("```bash\n", 1)[1].split("```", 1)[0]
-    folder.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "SUPERLINK_HOST": "localhost", "DEVICES": str(devices)}
-    subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=folder, env=env, check=True, capture_output=True)
-    keys = folder / "keys"
-    files = {"ca_cert": keys / "ca.crt", "server_cert": keys / "server.crt", "server_key": keys / "server.key"}
-    return files | {f"node{device}": keys / f"device{device}" for device in range(devices)}

@@ -1,0 +1,116 @@
+"""What a round costs on real devices against the simulation, side by side in one run.
+
+The same recipe and methods run three ways, each into its own folder under ``--output``:
+
+* ``simulation``: ``ondevice-moe finetune`` (Flower's simulation engine, Ray workers);
+* ``deployment``: a ``flower-superlink`` and one ``flower-supernode`` per device on localhost
+  (``ondevice_moe.federation.localhost``), submitted with ``ondevice-moe finetune --federation``;
+  Flower's default isolation starts one ``flwr-clientapp`` process per message;
+* ``deployment + device``: the same with ``--isolation process`` and one ``ondevice-moe device``
+  process per device, which runs every message of its device.
+
+From each run's ``round`` records: the mean wall time of a round, the busiest process's handler
+time, the overhead ``(wall − busiest) ÷ wall``, the processes that served a round (``workers``), the
+most base-model loads of one process, the whole command's wall time (start-up included) and the
+mean in-distribution result, which must agree between the three.
+
+Usage:
+    python benchmarks/deployment_rounds.py [--recipe tests/recipes/tiny.yaml] [--rounds R] [--iterations I]
+        [--methods fedavg ...] [--set key=value ...] [--output runs/deployment-rounds]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import simulations
+
+from ondevice_moe.federation.localhost import LocalFederation, environment
+from ondevice_moe.recipe import load_recipe
+from ondevice_moe.report import MetricsLog
+
+MODES = ("simulation", "deployment", "deployment + device")
+CONNECTION = "local-benchmark"
+
+
+def options(argv: Sequence[str] | None):
+    parser = simulations.parser(__doc__, "deployment-rounds")
+    parser.set_defaults(recipe=simulations.ROOT / "tests" / "recipes" / "tiny.yaml")
+    parser.add_argument("--methods", nargs="+", default=["fedavg"], help="method entries, as in a recipe")
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="which ways to run it")
+    return parser.parse_args(argv)
+
+
+def finetune_command(args, output: Path, federation: str | None) -> list[str]:
+    command = [str(Path(sys.executable).with_name("ondevice-moe")), "finetune", str(args.recipe),
+               "--output", str(output), "--set", f"methods=[{', '.join(args.methods)}]"]
+    sizes = [f"federation.rounds={args.rounds}"] if args.rounds else []
+    sizes += [f"federation.local_iterations={args.iterations}"] if args.iterations else []
+    for override in [*args.overrides, *sizes]:
+        command += ["--set", override]
+    return command + (["--federation", federation] if federation else [])
+
+
+def run_mode(args, mode: str, devices: int) -> dict[str, object]:
+    """Run the recipe one way; its timing and results from the run folder."""
+    output = args.output / mode.replace(" + ", "-")
+    started = time.perf_counter()
+    if mode == "simulation":
+        subprocess.run(finetune_command(args, output, None), check=True, capture_output=True)
+    else:
+        with tempfile.TemporaryDirectory(prefix="ondevice-moe-deployment-") as folder:
+            federation = LocalFederation(Path(folder))
+            try:
+                federation.start_superlink()
+                for device in range(devices):
+                    federation.start_supernode(device, None, warm=mode.endswith("device"))
+                federation.connection_config(Path(folder) / "cli", CONNECTION)
+                subprocess.run(finetune_command(args, output, CONNECTION), check=True, capture_output=True,
+                               env=environment(Path(folder) / "cli"))
+            finally:
+                federation.stop()
+    wall = time.perf_counter() - started
+    records = MetricsLog(output / "metrics.jsonl").read()
+    rounds = [r for r in records if r["kind"] == "round"]
+    summary = json.loads((output / "summary.json").read_text())
+    return {"command_s": wall, "round_wall_s": statistics.fmean(r["wall_s"] for r in rounds),
+            "busiest_worker_s": statistics.fmean(r["busiest_worker_s"] for r in rounds),
+            "overhead": statistics.fmean(r["overhead"] for r in rounds),
+            "workers_per_round": statistics.fmean(r["workers"] for r in rounds),
+            "base_loads": max(r["base_loads"] for r in rounds),
+            "mean_in": {name: method["mean_in"] if "mean_in" in method else method.get("mean_score")
+                        for name, method in summary["methods"].items()}}
+
+
+def markdown(figures: dict[str, dict]) -> str:
+    simulation = figures.get("simulation", {}).get("round_wall_s")
+    lines = ["| mode | round wall (s) | × simulation | busiest process (s) | overhead | processes per round | "
+             "base loads per process | command (s) | mean in-dist |", "|---|---|---|---|---|---|---|---|---|"]
+    for mode, f in figures.items():
+        results = ", ".join(f"{name} {value:.2f}" for name, value in f["mean_in"].items())
+        ratio = f"{f['round_wall_s'] / simulation:.2f}" if simulation else "—"
+        lines.append(f"| {mode} | {f['round_wall_s']:.1f} | {ratio} | "
+                     f"{f['busiest_worker_s']:.2f} | {f['overhead']:.2f} | {f['workers_per_round']:.1f} | "
+                     f"{f['base_loads']} | {f['command_s']:.0f} | {results} |")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, object]:
+    args = options(argv)
+    devices = len(load_recipe(args.recipe, args.overrides).user_names)
+    figures = {mode: run_mode(args, mode, devices) for mode in args.modes}
+    return simulations.publish(args.output, "deployment_rounds", figures, markdown(figures))
+
+
+if __name__ == "__main__":
+    main()
