@@ -37,7 +37,7 @@ def _dry_run(recipe: Path) -> tuple[int, str]:
 def test_a_crafted_recipe_is_one_message_and_runs_nothing(tmp_path, monkeypatch, text, expected):
     monkeypatch.chdir(tmp_path)
     recipe = tmp_path / "crafted.yaml"
-    recipe.write_text(TINY.read_text() + "\n" + text if "    recipe.write_text(TINY.read_text() + "\n" + text if "name:" in text else text)x" not in text else text)
+    recipe.write_text(text if "&x" in text else TINY.read_text() + "\n" + text)
     code, output = _dry_run(recipe)
     assert code == 2 and expected in output and "Traceback" not in output
     assert not (tmp_path / "pwned").exists()
