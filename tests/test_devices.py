@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import sys
 import sysconfig
 import zipfile
 from pathlib import Path
@@ -15,8 +16,6 @@ import pytest
 import torch
 import yaml
 from flwr.app import Context, Error, Message, RecordDict
-from flwr.serverapp import Grid
-from flwr.supercore.task_identity import TaskIdentity
 
 from ondevice_moe import runner
 from ondevice_moe.data.sources import device_source_kind, documents
@@ -33,7 +32,9 @@ from ondevice_moe.recipe import load_recipe, validate_recipe
 from ondevice_moe.report import MetricsLog, summarize
 from ondevice_moe.run_model import open_user_model
 
-TINY = Path(__file__).parent / "recipes" / "tiny.yaml"
+sys.path.insert(0, str(Path(__file__).parent))
+from test_strategy import TINY, InProcessGrid
+
 USERS = ("code", "docs", "tests")
 
 
@@ -59,14 +60,13 @@ def device_recipe(method: object = "fedavg", **federation: object):
     return validate_recipe(raw)
 
 
-class DeviceGrid(Grid):
+class DeviceGrid(InProcessGrid):
     """Nodes run the real ClientApp in this process, each with its own node config; a node can be
     killed (it vanishes and answers nothing), restarted (a new node id, a fresh Flower context) or
     doubled (a second node with the same partition-id)."""
 
     def __init__(self, recipe, folders: list[Path], root: Path) -> None:
-        if TaskIdentity._run_id is None:
-            TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 0
+        super().__init__(0)
         self.run_config = {"recipe-json": json.dumps(recipe.model_dump(mode="json")), "method": 0,
                            "run-dir": str(root / "server")}
         self.folders, self.root = folders, root
@@ -112,18 +112,6 @@ class DeviceGrid(Grid):
         self.pushed.extend(messages)
         return [str(index) for index, _ in enumerate(messages)]
 
-    def pull_messages(self, message_ids):
-        raise NotImplementedError
-
-    def set_run(self, run_id):
-        raise NotImplementedError
-
-    @property
-    def run(self):
-        raise NotImplementedError
-
-    def create_message(self, *args, **kwargs):
-        raise NotImplementedError
 
 
 def federate(recipe, grid: DeviceGrid, root: Path) -> list[dict]:
