@@ -196,3 +196,23 @@ def test_the_deployment_benchmark_runs_on_devices_with_one_process_each(tmp_path
     assert measured["base_loads"] == 1 and measured["workers_per_round"] <= 3
     assert 0 < measured["busiest_worker_s"] < measured["round_wall_s"] and measured["mean_in"]["fedavg"] > 1
     assert "| deployment + device |" in (tmp_path / "deployment_rounds.md").read_text()
+
+
+def test_the_localhost_federation_starts_every_process_with_the_flags_the_deployment_doc_gives(tmp_path):
+    """docs/deployment.md's SuperLink and SuperNode commands and the processes these tests start
+    take the same flags, so following the doc is what the tests above do."""
+    doc = DEPLOYMENT_DOC.read_text(encoding="utf-8")
+
+    def flags(section: str, program: str) -> set[str]:
+        text = doc[doc.index(section):]
+        block = text.split("```bash\n", 1)[1].split("```", 1)[0]
+        command = block[block.index(program):].replace("\\\n", " ").split("\n", 1)[0]
+        return {word for word in command.split() if word.startswith("--")}
+
+    keys = {"ca_cert": tmp_path / "ca.crt", "server_cert": tmp_path / "s.crt", "server_key": tmp_path / "s.key"}
+    federation = LocalFederation(tmp_path, keys)
+    superlink = set(federation.superlink_command(tmp_path))
+    supernode = set(federation.supernode_command("partition-id=0", 9094, tmp_path / "device0"))
+    assert flags("## 2. The SuperLink", "flower-superlink") <= superlink
+    assert flags("## 4. Each device", "flower-supernode") <= supernode
+    assert flags("## One process per device", "flower-supernode") - {"--isolation"} <= supernode

@@ -57,17 +57,28 @@ class LocalFederation:
     def start_superlink(self) -> Process:
         folder = self.root / "superlink"
         folder.mkdir(parents=True, exist_ok=True)
+        process = self._start("superlink", self.superlink_command(folder), folder)
+        self._wait_for_port()
+        return process
+
+    def superlink_command(self, folder: Path) -> list[str]:
+        """``flower-superlink`` as docs/deployment.md starts it (insecure where no certificates were given)."""
         command = [str(BIN / "flower-superlink"), "--port", str(self.port), "--database", str(folder / "state.db"),
                    "--disable-runtime-dependency-installation"]
         if self.secure is None:
-            command.append("--insecure")
-        else:
-            command += ["--ssl-certfile", str(self.secure["server_cert"]), "--ssl-keyfile",
-                        str(self.secure["server_key"]), "--ssl-ca-certfile", str(self.secure["ca_cert"]),
-                        "--enable-supernode-auth"]
-        process = self._start("superlink", command, folder)
-        self._wait_for_port()
-        return process
+            return [*command, "--insecure"]
+        return [*command, "--ssl-certfile", str(self.secure["server_cert"]), "--ssl-keyfile",
+                str(self.secure["server_key"]), "--ssl-ca-certfile", str(self.secure["ca_cert"]),
+                "--enable-supernode-auth"]
+
+    def supernode_command(self, node_config: str, runtime_port: int, private_key: Path | None) -> list[str]:
+        """``flower-supernode`` as docs/deployment.md starts it on a device."""
+        command = [str(BIN / "flower-supernode"), "--superlink", f"127.0.0.1:{self.port}", "--port",
+                   str(runtime_port), "--node-config", node_config]
+        if self.secure is None:
+            return [*command, "--insecure"]
+        command += ["--root-certificates", str(self.secure["ca_cert"])]
+        return command + (["--auth-supernode-private-key", str(private_key)] if private_key is not None else [])
 
     def start_supernode(self, partition: int, data_path: Path | None, name: str | None = None,
                         private_key: Path | None = None, warm: bool = False) -> Process:
@@ -80,14 +91,7 @@ class LocalFederation:
         if data_path is not None:
             node_config += f' data-path="{data_path}"'
         runtime_port = free_port()
-        command = [str(BIN / "flower-supernode"), "--superlink", f"127.0.0.1:{self.port}", "--port",
-                   str(runtime_port), "--node-config", node_config]
-        if self.secure is None:
-            command.append("--insecure")
-        else:
-            command += ["--root-certificates", str(self.secure["ca_cert"])]
-            if private_key is not None:
-                command += ["--auth-supernode-private-key", str(private_key)]
+        command = self.supernode_command(node_config, runtime_port, private_key)
         if warm:  # both in one session, so that killing the device kills both
             device = [str(BIN / "ondevice-moe"), "device", "--runtime-api", f"127.0.0.1:{runtime_port}"]
             command = ["bash", "-c", f"{shlex.join([*command, '--isolation', 'process'])} & exec {shlex.join(device)}"]
