@@ -58,11 +58,11 @@ def prepare_run_dir(recipe: Recipe, output: Path | None) -> Path:
     resolved = yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        if recipe_file.exists() and recipe_file.read_text(encoding="utf-8") != resolved:
+        log = MetricsLog(run_dir / "metrics.jsonl")
+        ran = bool(log.read())  # a folder where nothing ran yet (its inputs failed their checks) takes any recipe
+        if ran and recipe_file.exists() and recipe_file.read_text(encoding="utf-8") != resolved:
             raise UserError(f"{run_dir} holds a run of a different recipe (or other --set/--seed values)", fix)
         recipe_file.write_text(resolved, encoding="utf-8")
-        log = MetricsLog(run_dir / "metrics.jsonl")
-        log.read()
         log.repair()
         log.path.touch()
     except (OSError, UnicodeDecodeError) as error:
@@ -159,9 +159,11 @@ def _alive(pid: int) -> bool:
 
 def _run_methods(recipe: Recipe, run_dir: Path, on_method: Callable[[str, int, int], None] | None,
                  on_round: Callable[[int, int, str], None] | None, federation: str | None) -> RunResult:
-    if federation is None:
-        check_inputs(recipe)
     log = MetricsLog(run_dir / "metrics.jsonl")
+    finished = log.finished()
+    pending = [index for index in range(len(recipe.methods)) if recipe.method_name(index) not in finished]
+    if pending and federation is None:  # a finished run's rerun writes its report without loading anything
+        check_inputs(recipe)
     failures: list[str] = []
     for index in range(len(recipe.methods)):
         job = Job(recipe, index, run_dir)

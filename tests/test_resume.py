@@ -139,3 +139,31 @@ def test_a_second_run_into_a_folder_in_use_is_refused_and_a_dead_owners_lock_tak
     with pytest.raises(UserError, match="did not finish"):  # the stub trains nothing, but the run went ahead
         runner.run_recipe(recipe, run_dir)
     assert simulated == ["pretrained", "fedavg", "comigs-1G1S"] and not (run_dir / runner.LOCK).exists()
+
+
+def test_a_folder_where_nothing_ran_takes_the_corrected_recipe(tmp_path):
+    recipe = load_recipe(TINY)
+    run_dir = runner.prepare_run_dir(recipe, tmp_path / "run")  # then its inputs failed: nothing ran
+    corrected = recipe.model_copy(update={"seed": recipe.seed + 1})
+    assert runner.prepare_run_dir(corrected, run_dir) == run_dir
+    MetricsLog(run_dir / "metrics.jsonl").write({"method": "pretrained", "kind": "done", "rounds": 0})
+    with pytest.raises(UserError, match="different recipe"):  # once something ran, the folder is that run's
+        runner.prepare_run_dir(recipe, run_dir)
+
+
+def test_rerunning_a_finished_run_loads_no_model_or_data(tmp_path, monkeypatch):
+    recipe = load_recipe(TINY)
+    run_dir = runner.prepare_run_dir(recipe, tmp_path / "run")
+    log = MetricsLog(run_dir / "metrics.jsonl")
+    for index in range(len(recipe.methods)):
+        for user in recipe.user_names:
+            log.write({"method": recipe.method_name(index), "round": 2, "kind": "eval", "user": user,
+                       "test_ppl_in": 9.0, "test_ppl_out": 9.0})
+        log.write({"method": recipe.method_name(index), "kind": "done", "rounds": 2})
+
+    def must_not_load(_):
+        raise AssertionError("a finished run loaded its inputs again")
+
+    monkeypatch.setattr(runner, "check_inputs", must_not_load)
+    result = runner.run_recipe(recipe, run_dir)
+    assert set(result.summary["methods"]) == {recipe.method_name(i) for i in range(len(recipe.methods))}
