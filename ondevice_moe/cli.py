@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Literal, NoReturn
 
@@ -78,11 +79,18 @@ def finetune(
         with _progress() as progress:
             tasks: dict[str, int] = {}
 
+            plain = not console.is_terminal  # a log file or CI: a line per event, as it happens
+            started = time.monotonic()
+
             def on_method(name: str, index: int, count: int) -> None:
                 tasks["current"] = progress.add_task(f"[{index + 1}/{count}] {name}", total=None, status="starting")
+                if plain:
+                    console.print(escape(f"[{index + 1}/{count}] {name}: starting ({time.monotonic() - started:.0f}s)"))
 
             def on_round(done: int, total: int, line: str) -> None:
                 progress.update(tasks["current"], completed=done, total=total, status=line)
+                if plain:
+                    console.print(escape(f"  {done}/{total}: {line} ({time.monotonic() - started:.0f}s)"))
 
             if federation is not None:
                 _warn_if_insecure(federation)
@@ -118,7 +126,8 @@ def _progress() -> Progress:
 @app.command("eval")
 def evaluate(
     run: Annotated[Path, typer.Argument(help="A run folder written by `ondevice-moe finetune`.")],
-    suite: Annotated[str, typer.Option(help="lm (perplexity in/out of distribution) or glue (task metrics).")] = "lm",
+    suite: Annotated[str | None, typer.Option(
+        help="lm (perplexity in/out of distribution) or glue (task metrics). Default: the run's own task.")] = None,
     device: Annotated[Device | None, typer.Option(help=DEVICE_HELP + " Default: the run's recipe.")] = None,
 ) -> None:
     """Re-evaluate a finished run from its checkpoints."""
@@ -173,8 +182,12 @@ def _print_summary(summary: dict) -> None:
         header = [header[0], *header[1 + users :]]
         rows = [[row[0], *row[1 + users :]] for row in rows]
     table = Table(title=score_title(summary))
-    for column in header:
-        table.add_column(column, justify="left" if column == "method" else "right")
+    widest = max((len(row[0]) for row in rows), default=6)
+    for column in header:  # method names whole (comigs-1GXs-2444, hermes-w/o-A), never cut to "comigs-…"
+        if column == "method":
+            table.add_column(column, justify="left", no_wrap=True, min_width=widest)
+        else:
+            table.add_column(column, justify="right")
     for row in rows:
         table.add_row(*row)
     console.print(table)

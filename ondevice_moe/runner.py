@@ -235,19 +235,20 @@ def run_facts(recipe: Recipe, summary: dict[str, Any]) -> list[str]:
 SUITES = {"lm": True, "glue": False}  # suite → is it for language-modelling runs
 
 
-def evaluate_run(run_dir: Path, suite: str, device: str | None = None) -> dict[str, Any]:
+def evaluate_run(run_dir: Path, suite: str | None = None, device: str | None = None) -> dict[str, Any]:
     """Re-evaluate every device of a run's finished methods from their checkpoints.
 
-    ``lm``: per-user test perplexity in and out of distribution; ``glue``: the
-    task metric per client. ``device`` (``auto`` | ``cpu`` | ``cuda``) overrides
-    the run's ``model.device``. Returns a summary shaped like ``summary.json``.
+    ``lm``: per-user test perplexity in and out of distribution; ``glue``: the task metric per
+    client; ``None``: the suite of the run's own task. ``device`` (``auto`` | ``cpu`` | ``cuda``)
+    overrides the run's ``model.device``. Returns a summary shaped like ``summary.json``.
     """
     from ondevice_moe.federation import device as dev
     from ondevice_moe.federation.evaluation import evaluate_device, user_values
 
-    if suite not in SUITES:
+    if suite is not None and suite not in SUITES:
         raise UserError(f"unknown suite '{suite}'", f"use one of {list(SUITES)}")
     recipe, jobs = finished_jobs(run_dir, device)
+    suite = suite or ("lm" if recipe.is_language_modelling else "glue")  # the run knows its task
     if SUITES[suite] != recipe.is_language_modelling:
         kind = "language-modelling" if recipe.is_language_modelling else "classification"
         right = "lm" if recipe.is_language_modelling else "glue"

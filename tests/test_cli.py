@@ -106,3 +106,16 @@ def test_the_console_summary_names_dropped_devices(capsys):
                     "methods": {"fedavg": {**method, "dropped": {"b": 2}}, "local": {**method, "dropped": {}}}})
     out = " ".join(capsys.readouterr().out.split())
     assert "dropped: fedavg: b (2 rounds)" in out and "local:" not in out
+
+
+def test_the_results_table_shows_whole_method_names_on_a_narrow_terminal(monkeypatch):
+    from rich.console import Console
+
+    from ondevice_moe import cli
+
+    narrow = Console(width=60, record=True)
+    monkeypatch.setattr(cli, "console", narrow)
+    entry = {"per_user": {"a": {"in": 2.0, "out": 3.0}}, "mean_in": 2.0, "std_in": 0.0, "mean_out": 3.0,
+             "std_out": 0.0, "upload_bytes_per_round": 10.0}
+    cli._print_summary({"users": ["a"], "metric": "perplexity", "methods": {"comigs-1GXs-2444": entry}})
+    assert "comigs-1GXs-2444" in narrow.export_text()

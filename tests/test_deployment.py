@@ -173,6 +173,7 @@ def test_tls_and_node_authentication_refuse_strangers_and_a_lost_device_leaves_t
         out, _ = run.communicate(timeout=600)
         assert run.returncode == 0, out
         assert "insecure" not in out
+        assert "1/2: round 1" in out  # progress as lines when the output is no terminal
     finally:
         federation.stop()
     log = records(output)

@@ -143,7 +143,7 @@ def test_eval_and_export_open_a_devices_own_folder_and_explain_the_servers(tmp_p
     recipe = device_recipe({"name": "comigs", "variant": "1G1S"}, rounds=1)
     records = federate(recipe, DeviceGrid(recipe, folders, tmp_path), tmp_path)
     own = tmp_path / "device1" / "state" / "on-devices"
-    rescored = runner.evaluate_run(own, "lm")["methods"]["comigs-1G1S"]["per_user"]
+    rescored = runner.evaluate_run(own)["methods"]["comigs-1G1S"]["per_user"]  # the suite read from the run
     in_run = {r["user"]: r["test_ppl_in"] for r in records if r["kind"] == "eval"}
     assert list(rescored) == ["docs"] and rescored["docs"]["in"] == pytest.approx(in_run["docs"], rel=1e-5)
     assert open_user_model(own, "comigs-1G1S", "docs").device == 1
