@@ -50,8 +50,8 @@ def private_folders(root: Path) -> list[Path]:
     return folders
 
 
-def device_recipe(method: object = "fedavg", **federation: object):
-    raw = yaml.safe_load(TINY.read_text())
+def device_recipe(method: object = "fedavg", sections: dict | None = None, **federation: object):
+    raw = yaml.safe_load(TINY.read_text()) | (sections or {})
     raw["name"] = "on-devices"
     raw["data"]["users"] = [{"name": user, "source": "device"} for user in USERS]
     raw["data"].update(train_tokens=2000, valid_tokens=500, test_tokens=500)
@@ -152,6 +152,19 @@ def test_eval_and_export_open_a_devices_own_folder_and_explain_the_servers(tmp_p
     with pytest.raises(UserError, match="server's folder of a run on real devices") as raised:
         runner.evaluate_run(tmp_path / "server", "lm")
     assert "state-dir" in raised.value.fix
+
+
+@pytest.mark.parametrize("method", ["pcl", "fedsoft"])
+def test_server_state_methods_run_on_devices_that_hold_only_their_own_data(tmp_path, method):
+    """PCL (the server relays peers' models) and FedSoft (the server keeps cluster centres) on real devices:
+    every device trains and is tested on its own data-path only; FedSoft's per-source centre table, which
+    needs every user's text on device 0, is left out."""
+    folders = private_folders(tmp_path / "data")
+    recipe = device_recipe(method, {"fedsoft": {"clusters": 2, "lora_rank": 4}})
+    records = federate(recipe, DeviceGrid(recipe, folders, tmp_path), tmp_path)
+    evals = [r for r in records if r["kind"] == "eval" and r["round"] == 2]
+    assert sorted(r["user"] for r in evals) == sorted(USERS) and not [r for r in records if r["kind"] == "drop"]
+    assert not any(key.startswith("centre_") for r in evals for key in r)
 
 
 def test_a_restarted_device_rejoins_under_a_new_node_id_and_resumes_its_private_state(tmp_path):

@@ -33,7 +33,7 @@ from flwr.supercore import log as flwr_log
 
 from ondevice_moe.federation import device as dev
 from ondevice_moe.federation.device_state import persist_context, resume_context
-from ondevice_moe.federation.evaluation import centre_scores, evaluate_device, mixture_scores
+from ondevice_moe.federation.evaluation import centre_scores, evaluate_device, mixture_scores, scores_every_source
 from ondevice_moe.federation.faults import fault_mod
 from ondevice_moe.federation.job import Job, device_job
 from ondevice_moe.federation.node import REFUSED
@@ -138,7 +138,7 @@ def evaluate(msg: Message, context: Context) -> Message:
         if job.method.procedure.centres.trains_every_centre:  # FedEM: its mixture prediction too
             scores = mixture_scores(job, device, model, centres, dev.device_mixture(context.state, len(centres)))
         dev.local_model_of(job, device, model, centres, context.state)
-        scores |= centre_scores(job, model, centres) if device == 0 else {}
+        scores |= centre_scores(job, model, centres) if device == 0 and scores_every_source(job) else {}
     metrics = {**evaluate_device(job, device, model), **scores}
     metrics["device"] = device
     if msg.content["config"].get("final", False) and job.method.trains:

@@ -127,6 +127,12 @@ def centre_key(centre: int, source: int) -> str:
     return f"centre_{centre}_source_{source}"
 
 
+def scores_every_source(job: Job) -> bool:
+    """Whether device 0 can score the centres on every source (:func:`centre_scores`): not on a real device
+    when some user's text is the device's own (``source: device``), which no other device may read."""
+    return not (job.on_device and job.recipe.data is not None and job.recipe.data.brought_by_devices)
+
+
 def centre_scores(job: Job, model: nn.Module, centres: dict[int, dict[str, torch.Tensor]]) -> dict[str, float]:
     """Every centre scored on every source's held-out examples (``cluster_test``; a language
     model's sources, :func:`_centre_perplexities`): the S × S
