@@ -16,6 +16,7 @@ import pytest
 import torch
 import yaml
 from flwr.app import Context, Error, Message, RecordDict
+from safetensors.torch import load_file
 
 from ondevice_moe import runner
 from ondevice_moe.data.sources import device_source_kind, documents
@@ -115,7 +116,7 @@ class DeviceGrid(InProcessGrid):
 
 
 def federate(recipe, grid: DeviceGrid, root: Path) -> list[dict]:
-    job = Job(recipe, 0, root / "server")
+    job = Job(recipe, 0, root / "server", submitted=True)  # as `flwr run` gives the ServerApp
     runner.prepare_run_dir(recipe, job.run_dir)
     log = MetricsLog(job.run_dir / "metrics.jsonl")
     server_app.run_federation(grid, job, log)
@@ -133,7 +134,10 @@ def test_each_device_reads_its_own_data_path_and_keeps_its_state_and_checkpoint_
         state = tmp_path / f"device{device}" / "state" / "on-devices"
         assert (state / "checkpoints" / "comigs-1G1S" / f"device_{device}.safetensors").is_file()
         assert (state / "device_state" / "comigs-1G1S" / "context.pb").is_file()
-    assert not (tmp_path / "server" / "checkpoints").exists()  # the server holds no device's model
+    server = tmp_path / "server" / "checkpoints" / "comigs-1G1S"
+    assert [path.name for path in server.iterdir()] == ["server.safetensors"]  # no device's model, ...
+    kept = load_file(str(server / "server.safetensors"))  # ... the shared experts it aggregated
+    assert kept and all(name.startswith("global/") and ".private_" not in name for name in kept)
     summary = summarize(records, ["comigs-1G1S"], list(USERS))
     assert "mean_in" in summary["methods"]["comigs-1G1S"] and "mean_out" not in summary["methods"]["comigs-1G1S"]
 

@@ -38,6 +38,7 @@ class Job:
     method_index: int
     run_dir: Path
     node: NodeFacts | None = None  # set on a device under ``flwr run``: what its --node-config says
+    submitted: bool = False  # run by ``flwr run`` (a SuperLink), not ``ondevice-moe finetune``'s simulation
 
     @property
     def on_device(self) -> bool:
@@ -129,7 +130,7 @@ def job_from_context(context: Context) -> Job:
         if key not in _JOBS:
             recipe = _recipe_of(config)
             run_dir = Path(str(config.get("run-dir") or Path("runs") / recipe.name))
-            _JOBS[key] = Job(recipe, int(config.get("method", 0)), run_dir)
+            _JOBS[key] = Job(recipe, int(config.get("method", 0)), run_dir, submitted=True)
         return _JOBS[key]
     path = os.environ.get(JOB_ENV)
     if not path:
@@ -153,7 +154,7 @@ def device_job(context: Context) -> Job:
                         f"(partition-ids 0 to {devices - 1})", "start the SuperNode with a partition-id in that range")
     key = (id(job), node)
     if key not in _DEVICE_JOBS:
-        _DEVICE_JOBS[key] = Job(job.recipe, job.method_index, node.folder(job.recipe.name), node)
+        _DEVICE_JOBS[key] = Job(job.recipe, job.method_index, node.folder(job.recipe.name), node, submitted=True)
     return _DEVICE_JOBS[key]
 
 

@@ -408,6 +408,8 @@ class SlotStrategy(Strategy):
         self.slots = unpack_slots(arrays, self.rule.initial_slots())
         final = server_round == self.total_rounds
         kept = self.rule.final_state(self.slots) if final else {}
+        if final and not kept and self.job.submitted:  # on real devices the server keeps the shared experts too
+            kept = dict(pack_slots(self.slots).to_torch_state_dict())
         if kept:
             save_server_checkpoint(self.job, kept)
         return (self._message(device, MessageType.EVALUATE, server_round, final) for device in self.nodes)
