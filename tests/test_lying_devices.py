@@ -129,3 +129,17 @@ if __name__ == "__main__":  # the closing note's table
                 relative, dropped = lying_round(Path(folder), choice, lie)
             cells.append(f"{relative:.3g}" + (f" (honest dropped: {dropped})" if dropped else ""))
         print(f"| {choice} | " + " | ".join(cells) + " |")
+
+
+def test_a_partial_upload_may_leave_names_out_but_never_add_one():
+    from ondevice_moe.federation.aggregation import Update, check_update
+
+    reference = {"experts.shared_0.lora_A": torch.empty(2, 2, device="meta"),
+                 "experts.shared_1.lora_A": torch.empty(2, 2, device="meta")}
+    used_one = Update(0, {"experts.shared_0.lora_A": torch.ones(2, 2)}, 4, {"experts.shared_0.lora_A": 3.0})
+    assert check_update(used_one, reference, partial=True) is None
+    forged = Update(1, {**used_one.tensors, "router.weight": torch.ones(2, 2)}, 4)  # a private router's name
+    assert "extra ['router.weight']" in check_update(forged, reference, partial=True)
+    for usage, mixture in (({"experts.shared_0.lora_A": -1.0}, ()), ({}, (0.5, 0.6)), ({}, (1.5, -0.5))):
+        lying = Update(2, used_one.tensors, 4, usage, mixture)
+        assert check_update(lying, reference, partial=True) is not None

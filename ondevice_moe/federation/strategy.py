@@ -525,8 +525,9 @@ class SlotStrategy(Strategy):
 
     def _reference(self, device: int) -> dict[str, torch.Tensor]:
         """Names, shapes and dtypes device ``device`` may upload: the rule's reference once
-        the slots hold something, before that the upload of a freshly built device model."""
-        reference = self.rule.reference(self.slots, device)
+        the slots hold something, before that (and always where devices upload a part of their
+        experts, whose whole set the slots may not hold yet) the upload of a freshly built device model."""
+        reference = {} if self.rule.partial_uploads else self.rule.reference(self.slots, device)
         if reference:
             return reference
         if device not in self._fresh:
