@@ -147,7 +147,7 @@ CASES = [
                        "text_columns: [label]}"]),
     Case("CSV field over 131,072 characters", "data semantics",
          lambda d, s: ["finetune", str(TINY_CLASSIFICATION), "--output", str(d / "out"), "--set",
-                       "methods=[fedavg]", "--set",
+                       "methods=[fed-lora]", "--set",
                        f"task={{name: big, path: {written(d, 'b.csv', BIG_CSV)}, "
                        "labels: [neg, pos]}"]),
     Case("source: device in the simulation", "data semantics",

@@ -61,8 +61,10 @@ class MetricsLog:
                 record = json.loads(line)
             except json.JSONDecodeError:
                 record = None
-            if not isinstance(record, dict) or "kind" not in record:
-                raise CorruptLog(f"{self.path} line {number} is not a metrics record: {line[:60]!r}")
+            if not (isinstance(record, dict) and isinstance(record.get("kind"), str)
+                    and isinstance(record.get("method"), str)):
+                raise CorruptLog(f"{self.path} line {number} is not a metrics record (each names its kind and "
+                                 f"method): {line[:60]!r}")
             records.append(record)
         return records
 

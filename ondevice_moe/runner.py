@@ -279,7 +279,11 @@ def finished_jobs(run_dir: Path, device: str | None = None) -> tuple[Recipe, lis
     if device is not None:
         apply_override(raw, f"model.device={device}")
     recipe = validate_recipe(raw, source=str(recipe_file))
-    finished = MetricsLog(Path(run_dir) / "metrics.jsonl").finished()
+    try:
+        finished = MetricsLog(Path(run_dir) / "metrics.jsonl").finished()
+    except CorruptLog as error:
+        raise UserError(f"the run folder {run_dir} is damaged: {error}",
+                        "restore its metrics.jsonl, or run finetune again into a new folder") from None
     node = folder_node(Path(run_dir))  # a real device's own folder: its model, its data only
     jobs = [job for job in (Job(recipe, index, Path(run_dir), node) for index in range(len(recipe.methods)))
             if job.method.name in finished]  # a `flwr run` folder may hold one method of the recipe

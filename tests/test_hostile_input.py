@@ -120,3 +120,50 @@ def test_a_run_folder_with_a_crafted_recipe_is_one_message(tmp_path):
 def test_bundled_recipes_still_load():
     for recipe in sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.yaml")):
         load_recipe(recipe)
+
+
+@pytest.mark.parametrize("log", ["not json at all\n", '{"kind": "done"}\n'])
+def test_a_run_folder_with_a_damaged_log_is_one_message(tmp_path, log):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "recipe.yaml").write_text(TINY.read_text())
+    (run / "metrics.jsonl").write_text(log)
+    result = runner.invoke(app, ["eval", str(run)])
+    output = " ".join(result.output.split())
+    assert result.exit_code == 2 and "is not a metrics record" in output and "Traceback" not in output
+
+
+def _model_folder(root: Path, weights: str, content: bytes) -> Path:
+    folder = root / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"model_type": "gpt2", "n_layer": 1, "n_embd": 8, "n_head": 2}')
+    (folder / weights).write_bytes(content)
+    return folder
+
+
+class _Payload:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def test_pickled_weights_never_run_and_are_one_message(tmp_path):
+    import pickle
+
+    marker = tmp_path / "EXECUTED"
+    folder = _model_folder(tmp_path, "pytorch_model.bin", pickle.dumps(_Payload(marker)))
+    result = runner.invoke(app, ["finetune", str(TINY), "--set", f"model.name={folder}", "--set",
+                                 "methods=[pretrained]", "--output", str(tmp_path / "out")])
+    output = " ".join(result.output.split())
+    assert result.exit_code == 2 and "holds pickled weights that would run code" in output
+    assert "weights_only=False" not in output and not marker.exists()
+
+
+def test_a_corrupt_safetensors_model_is_one_message(tmp_path):
+    folder = _model_folder(tmp_path, "model.safetensors", b"\x10\x00\x00\x00\x00\x00\x00\x00{garbage}")
+    result = runner.invoke(app, ["finetune", str(TINY), "--set", f"model.name={folder}", "--set",
+                                 "methods=[pretrained]", "--output", str(tmp_path / "out")])
+    output = " ".join(result.output.split())
+    assert result.exit_code == 2 and f"cannot load model '{folder}'" in output and "Traceback" not in output

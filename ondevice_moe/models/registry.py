@@ -14,6 +14,8 @@ from the local cache ends with a message that says so.
 
 from __future__ import annotations
 
+import pickle
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -170,6 +172,7 @@ def _fit_tokenizer(model: nn.Module, tokenizer, classifier: bool) -> None:
 
 def _from_pretrained(name: str, source: str | Path, dtype: str, quantization: Quantization, num_labels: int | None,
                      regression: bool, device: torch.device):
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
     kwargs: dict[str, object] = {"dtype": getattr(torch, dtype)}
@@ -177,18 +180,26 @@ def _from_pretrained(name: str, source: str | Path, dtype: str, quantization: Qu
         kwargs["quantization_config"] = _bnb_config(quantization, dtype, classifier=num_labels is not None)
         kwargs["device_map"] = {"": str(device)}
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source)
-        if num_labels is None:
-            model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
-        else:
-            problem = "regression" if regression else "single_label_classification"
-            model = AutoModelForSequenceClassification.from_pretrained(source, num_labels=num_labels,
-                                                                       problem_type=problem, **kwargs)
-    except (OSError, ValueError) as error:
+        with warnings.catch_warnings():  # torch warns of the pickle protocol before it refuses: the refusal is enough
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
+            tokenizer = AutoTokenizer.from_pretrained(source)
+            if num_labels is None:
+                model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+            else:
+                problem = "regression" if regression else "single_label_classification"
+                model = AutoModelForSequenceClassification.from_pretrained(source, num_labels=num_labels,
+                                                                           problem_type=problem, **kwargs)
+    except pickle.UnpicklingError:  # torch.load(weights_only=True) refused what a pickle would run
+        raise UserError(f"model '{name}' at {source} holds pickled weights that would run code to load; "
+                        "ondevice-moe loads only weights that run nothing",
+                        "save the model with save_pretrained(safe_serialization=True) (model.safetensors), "
+                        "or use a model you trust in that format") from None
+    except (OSError, ValueError, RuntimeError, SafetensorError) as error:
+        message = str(error).splitlines()[0] if str(error) else type(error).__name__
         raise UserError(
-            f"cannot load model '{name}' from {source}: {str(error).splitlines()[0]}",
-            "on an offline machine use `smollm2-135m` or a local folder; online, check the hub id "
-            "(and `huggingface-cli login` for gated models)",
+            f"cannot load model '{name}' from {source}: {message}",
+            "on an offline machine use `smollm2-135m` or a local folder with intact weights; online, check the "
+            "hub id (and `huggingface-cli login` for gated models)",
         ) from None
     if quantization == "nf4":
         _keep_4bit_layers_differentiable(model)
