@@ -313,3 +313,18 @@ def test_the_submitted_app_names_the_toolkits_apps_and_carries_the_recipe(tmp_pa
         fab.writestr("pyproject.toml", (app / "pyproject.toml").read_text().replace(CLIENT_APP, "evil.app:app"))
     with pytest.raises(UserError, match=r"evil\.app:app"):  # ... and no other
         _check_app(archive.getvalue())
+
+
+def test_a_checkpoint_of_the_wrong_shape_is_one_message(tmp_path):
+    from safetensors.torch import save_file
+
+    folders = private_folders(tmp_path / "data")
+    recipe = device_recipe(rounds=1)
+    federate(recipe, DeviceGrid(recipe, folders, tmp_path), tmp_path)
+    own = tmp_path / "device0" / "state" / "on-devices"
+    checkpoint = own / "checkpoints" / "fedavg" / "device_0.safetensors"
+    tensors = load_file(str(checkpoint))
+    name = next(iter(tensors))
+    save_file({**tensors, name: torch.zeros(3, 3)}, str(checkpoint))
+    with pytest.raises(UserError, match=f"does not fit the recipe's model: {name} has shape \\[3, 3\\]"):
+        runner.evaluate_run(own)

@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 
 import ondevice_moe
 from ondevice_moe.cli import app
+from ondevice_moe.errors import UserError
 from ondevice_moe.export.toolkit_format import WRITTEN_LIST
 from ondevice_moe.federation.evaluation import evaluate_device, user_values
 from ondevice_moe.federation.job import Job
@@ -200,3 +201,14 @@ def test_push_creates_the_repo_and_uploads_the_folder(tiny_run, tmp_path, monkey
                      ("upload", "org/name",
                       ["README.md", "experts.safetensors", "export.json", "recipe.yaml", "shared_0"])]
     assert _front_matter(tmp_path / "out")["model-index"][0]["name"] == "org/name"
+
+
+@pytest.mark.parametrize(("change", "expected"), [({"method_index": "0; rm -rf /"}, "missing or of the wrong kind"),
+                                                  ({"device": 99}, "names a method or device"),
+                                                  ({"method_index": True}, "missing or of the wrong kind")])
+def test_a_tampered_export_manifest_is_one_message(tiny_run, tmp_path, change, expected):
+    assert _export(tiny_run, tmp_path / "out").exit_code == 0
+    manifest = tmp_path / "out" / "export.json"
+    manifest.write_text(json.dumps({**json.loads(manifest.read_text()), **change}))
+    with pytest.raises(UserError, match=expected):
+        ondevice_moe.load_adapted(None, tmp_path / "out")

@@ -238,3 +238,13 @@ def test_a_file_name_with_html_is_shown_as_text_not_markup(tiny_run, tmp_path):
     assert result.exit_code == 0, result.output
     page = (tmp_path / "out.html").read_text(encoding="utf-8")
     assert "<script>" not in page and "&lt;script&gt;alert(1)&lt;" in page
+
+
+def test_a_fifo_as_file_is_refused_without_blocking(tiny_run, tmp_path):
+    import os
+
+    fifo = tmp_path / "text.fifo"
+    os.mkfifo(fifo)
+    result = CliRunner().invoke(app, ["inspect", str(tiny_run), "--method", "comigs-1G1S", "--user", "code",
+                                      "--file", str(fifo), "--to", str(tmp_path / "out.html")])
+    assert result.exit_code == 2 and "is not a regular file" in " ".join(result.output.split())

@@ -60,9 +60,14 @@ def read_manifest(folder: Path) -> dict:
     except (OSError, json.JSONDecodeError) as error:
         raise UserError(f"{folder} is not an ondevice-moe export ({MANIFEST}: {error})",
                         "pass a folder written by `ondevice-moe export`") from None
-    if manifest.get("format") != FORMAT or manifest.get("version") != FORMAT_VERSION:
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or manifest.get("version") != FORMAT_VERSION:
         raise UserError(f"{path} is not an {FORMAT} of version {FORMAT_VERSION}",
                         "re-export it with this version of ondevice-moe")
+    kinds = {"method": str, "method_index": int, "device": int}
+    wrong = [key for key, kind in kinds.items() if not isinstance(manifest.get(key), kind)
+             or isinstance(manifest.get(key), bool) or (kind is int and manifest[key] < 0)]
+    if wrong:
+        raise UserError(f"{path} is damaged: {wrong} missing or of the wrong kind", "re-export the folder")
     return manifest
 
 
@@ -74,9 +79,10 @@ def load_adapted(base: nn.Module | None, folder: str | Path, device: str | None 
     the base is loaded here. Parts left out of the export (``--experts shared`` leaves the
     private ones) keep their seeded initial values: a fresh LoRA or adapter adds nothing.
     """
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    from ondevice_moe.federation.device import build_model
+    from ondevice_moe.federation.device import build_model, shape_mismatch
     from ondevice_moe.federation.job import Job
     from ondevice_moe.overrides import apply_override
     from ondevice_moe.recipe import validate_recipe
@@ -86,15 +92,23 @@ def load_adapted(base: nn.Module | None, folder: str | Path, device: str | None 
     raw = strict_yaml.read_mapping(folder / RECIPE, "re-export the folder; do not edit its recipe.yaml")
     if device is not None:
         apply_override(raw, f"model.device={device}")
-    job = Job(validate_recipe(raw, source=str(folder / RECIPE)), int(manifest["method_index"]), folder)
+    recipe = validate_recipe(raw, source=str(folder / RECIPE))
+    if manifest["method_index"] >= len(recipe.methods) or manifest["device"] >= len(recipe.user_names):
+        raise UserError(f"{folder}: {MANIFEST} names a method or device its {RECIPE} does not have",
+                        "re-export the folder; do not edit its files")
+    job = Job(recipe, manifest["method_index"], folder)
     if job.method.name != manifest["method"]:
         raise UserError(f"{folder}: {RECIPE} does not hold method '{manifest['method']}'",
                         "re-export the folder; do not edit its recipe.yaml")
     model = build_model(job, int(manifest["device"]), base)
-    state = load_file(str(folder / TENSORS))
+    try:
+        state = load_file(str(folder / TENSORS))
+    except (SafetensorError, OSError) as error:
+        raise UserError(f"{folder / TENSORS} is unreadable ({error})", "re-export the folder") from None
     unexpected = sorted(set(state) - set(model.state_dict()))
-    if unexpected:
-        raise UserError(f"{folder} does not fit this base model (e.g. {unexpected[:2]})",
+    mismatch = shape_mismatch(model.state_dict(), state)
+    if unexpected or mismatch:
+        raise UserError(f"{folder} does not fit this base model ({mismatch or f'e.g. {unexpected[:2]}'})",
                         "pass the base model the run was trained on (see the export's README.md)")
     target = next(model.parameters()).device
     model.load_state_dict({name: tensor.to(target) for name, tensor in state.items()}, strict=False)

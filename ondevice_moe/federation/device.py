@@ -248,6 +248,14 @@ def _load_tensors(model: nn.Module, private: dict[str, torch.Tensor], shared: Ar
         model.load_state_dict(tensors, strict=False)
 
 
+def shape_mismatch(own: dict[str, torch.Tensor], loaded: dict[str, torch.Tensor]) -> str | None:
+    """The first tensor of ``loaded`` whose shape differs from ``own``'s, said in words, or ``None``."""
+    for name, tensor in loaded.items():
+        if name in own and tensor.shape != own[name].shape:
+            return f"{name} has shape {list(tensor.shape)}; the model's has {list(own[name].shape)}"
+    return None
+
+
 def check_received(own: dict[str, torch.Tensor], received: dict[str, torch.Tensor]) -> None:
     """A device trusts the server no further than it must: every tensor it loads must be one it
     holds, of the same shape and kind (floating point or not), and finite; else a ``ValueError``
@@ -255,11 +263,11 @@ def check_received(own: dict[str, torch.Tensor], received: dict[str, torch.Tenso
     missing = set(received) - set(own)
     if missing:
         raise ValueError(f"received tensors this device does not hold: {sorted(missing)[:3]}")
+    mismatch = shape_mismatch(own, received)
+    if mismatch:
+        raise ValueError(f"received tensor {mismatch}")
     for name, tensor in received.items():
         mine = own[name]
-        if tensor.shape != mine.shape:
-            raise ValueError(f"received tensor {name} has shape {list(tensor.shape)}; this device's has "
-                             f"{list(mine.shape)}")
         if tensor.is_floating_point() != mine.is_floating_point():
             raise ValueError(f"received tensor {name} is {tensor.dtype}; this device's is {mine.dtype}")
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
@@ -591,9 +599,14 @@ def load_checkpoint(job: Job, device: int, model: nn.Module) -> None:
     except (SafetensorError, OSError) as error:
         raise UserError(f"checkpoint {path} is unreadable ({error})",
                         "delete it and the method's lines in metrics.jsonl, then rerun to retrain") from None
-    unexpected = set(state) - set(model.state_dict())
+    own = model.state_dict()
+    unexpected = set(state) - set(own)
     if unexpected:
         raise UserError(f"checkpoint {path} does not fit the recipe's model (e.g. {sorted(unexpected)[:2]})",
+                        "evaluate it with the recipe.yaml it was trained with")
+    mismatch = shape_mismatch(own, state)
+    if mismatch:
+        raise UserError(f"checkpoint {path} does not fit the recipe's model: {mismatch}",
                         "evaluate it with the recipe.yaml it was trained with")
     model.load_state_dict(state, strict=False)
 
