@@ -237,7 +237,7 @@ def inspect_routing(
             raise UserError("both --text and --file given", "pass one of them (or neither, for the user's test split)")
         if file is not None:
             source = f"file {file}"
-            if not file.is_file():  # a FIFO or device would block the read, a folder cannot be read
+            if file.exists() and not file.is_file():  # a FIFO or device would block the read
                 raise UserError(f"--file {file} is not a regular file", "pass a readable UTF-8 text file")
             try:
                 text = file.read_text(encoding="utf-8")

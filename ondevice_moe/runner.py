@@ -58,9 +58,10 @@ def prepare_run_dir(recipe: Recipe, output: Path | None) -> Path:
     resolved = yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
+        existing = recipe_file.read_text(encoding="utf-8") if recipe_file.exists() else None
         log = MetricsLog(run_dir / "metrics.jsonl")
         ran = bool(log.read())  # a folder where nothing ran yet (its inputs failed their checks) takes any recipe
-        if ran and recipe_file.exists() and recipe_file.read_text(encoding="utf-8") != resolved:
+        if ran and existing is not None and existing != resolved:
             raise UserError(f"{run_dir} holds a run of a different recipe (or other --set/--seed values)", fix)
         recipe_file.write_text(resolved, encoding="utf-8")
         log.repair()

@@ -151,11 +151,10 @@ def test_devices_keep_their_data_and_private_state_and_a_killed_device_resumes(t
 
 
 def test_tls_and_node_authentication_refuse_strangers_and_a_lost_device_leaves_the_others_a_result(tmp_path):
-    """TLS, SuperNode authentication, Flower's default process per message; one device restarts at
-    once with its key (same node id), another is lost for good."""
+    """TLS, SuperNode authentication, Flower's default process per message; one device is lost for good."""
     data = device_folders(tmp_path / "data")
     recipe_file = tmp_path / "recipe.yaml"
-    device_recipe(recipe_file, "fedavg", rounds=3, timeout=30)
+    device_recipe(recipe_file, "fedavg", rounds=2, timeout=30)
     secure = make_security(tmp_path / "keys", len(USERS) + 1)
     federation = LocalFederation(tmp_path / "federation", secure)
     try:
@@ -173,27 +172,18 @@ def test_tls_and_node_authentication_refuse_strangers_and_a_lost_device_leaves_t
         run = finetune(recipe_file, output, tmp_path / "cli")
         wait_for(output, "comm", 1, run)
         federation.kill(nodes[2])  # and it never comes back
-        federation.kill(nodes[1])  # and it comes back at once, with the same key: the same node id
-        time.sleep(2)
-        federation.start_supernode(1, data[1], private_key=secure["node1"])
         out, _ = run.communicate(timeout=600)
         assert run.returncode == 0, out
         assert "insecure" not in out
-        assert "1/3: round 1" in out  # progress as lines when the output is no terminal
+        assert "1/2: round 1" in out  # progress as lines when the output is no terminal
     finally:
         federation.stop()
     log = records(output)
     method = json.loads((output / "summary.json").read_text())["methods"]["fedavg"]
     assert method["not_evaluated"] == ["tests"] and sorted(method["per_user"]) == ["code", "docs"]
     drops = {(r["device"], r["round"], r["phase"]) for r in log if r["kind"] == "drop"}
-    assert {(2, 2, "train"), (2, 3, "train"), (2, 3, "evaluate")} <= drops <= {(2, 2, "train"), (2, 3, "train"),
-                                                                               (2, 3, "evaluate"), (1, 2, "train")}
+    assert drops == {(2, 2, "train"), (2, 2, "evaluate")}
     assert not [r for r in log if r["kind"] == "refused"]  # the stranger never got in to claim anything
-    # Its next round (2, or 3 if the dying process had taken round 2's message) starts from its state-dir.
-    restarted = sorted((r for r in log if r["kind"] == "train" and r["user"] == "docs" and r["round"] > 1),
-                       key=lambda r: r["round"])
-    assert restarted and restarted[0]["resumed_round"] == 1
-    assert not [r for r in log if r["kind"] == "rejoin"]  # authenticated: it kept its node id
     assert "no final figures for tests" in (output / "report.md").read_text()
     assert "Failed to activate SuperNode" in stranger.text()  # the SuperLink refused its unregistered key
     assert stranger.popen.returncode not in (None, 0)

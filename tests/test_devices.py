@@ -186,6 +186,22 @@ def test_a_restarted_device_rejoins_under_a_new_node_id_and_resumes_its_private_
     assert {r["user"] for r in records if r["kind"] == "eval"} == set(USERS)
 
 
+def test_an_authenticated_device_restarting_with_its_node_id_resumes_its_private_state(tmp_path):
+    """SuperNode authentication gives a restarted device its node id back: no rejoin, a fresh Flower
+    context, and the private state comes back from its state-dir."""
+    folders = private_folders(tmp_path / "data")
+    recipe = device_recipe({"name": "comigs", "variant": "1G1S"}, rounds=2, eval_every=2)
+    grid = DeviceGrid(recipe, folders, tmp_path)
+    node = grid.node_of(1)
+    old = grid.contexts[node]
+    grid.after_round_1.append(lambda: grid.contexts.update({node: Context(
+        run_id=1, node_id=node, state=RecordDict(), run_config=old.run_config, node_config=old.node_config)}))
+    records = federate(recipe, grid, tmp_path)
+    assert not [r for r in records if r["kind"] in ("rejoin", "drop")]
+    train = {(r["user"], r["round"]): r for r in records if r["kind"] == "train"}
+    assert train[("docs", 2)]["resumed_round"] == 1 and "resumed_round" not in train[("code", 2)]
+
+
 def test_a_second_node_claiming_an_answering_device_is_refused_and_told_why(tmp_path):
     folders = private_folders(tmp_path / "data")
     recipe = device_recipe(rounds=1)

@@ -32,7 +32,8 @@ def environment(home: Path) -> dict[str, str]:
     home.mkdir(parents=True, exist_ok=True)
     return {**os.environ, "HOME": str(home), "FLWR_HOME": str(home / ".flwr"),
             "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", "HF_HUB_OFFLINE": "1",
-            "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1", "OMP_NUM_THREADS": "1"}
+            "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1", "OMP_NUM_THREADS": "1",
+            "FLWR_LOG_LEVEL": "INFO"}  # each process's log says what it sent and received
 
 
 @dataclass

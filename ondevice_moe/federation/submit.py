@@ -87,10 +87,11 @@ def submit(job: Job, federation: str, on_round: Callable[[int, int, str], None] 
         env = {**os.environ, "FLWR_DISABLE_UPDATE_CHECK": "1"}
         with flower_log.open("w", encoding="utf-8") as output:
             process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env=env)
+            shown = 0
             while process.poll() is None:
-                _follow(log, job, on_round)
+                shown = _follow(log, job, on_round, shown)
                 time.sleep(POLL_SECONDS)
-    _follow(log, job, on_round)
+    _follow(log, job, on_round, shown)
     records = [r for r in log.read() if r.get("method") == job.method.name]
     if any(r["kind"] == "done" for r in records):
         return
@@ -101,18 +102,20 @@ def submit(job: Job, federation: str, on_round: Callable[[int, int, str], None] 
                     "(finished methods are kept)")
 
 
-def _follow(log: MetricsLog, job: Job, on_round: Callable[[int, int, str], None] | None) -> None:
+def _follow(log: MetricsLog, job: Job, on_round: Callable[[int, int, str], None] | None, shown: int) -> int:
+    """Report rounds the run folder has finished since round ``shown``; returns the last one reported."""
     if on_round is None or not log.path.exists():
-        return
+        return shown
     try:
         records = [r for r in log.read() if r.get("method") == job.method.name]
     except CorruptLog:  # a line being written as it is read: the next look finds it whole
-        return
-    rounds = [r for r in records if r["kind"] == "comm"]
-    if rounds:
-        last = rounds[-1]
-        on_round(last["round"], job.recipe.federation.rounds,
-                 f"round {last['round']}, {last['devices']} devices, dropped {last['dropped']}")
+        return shown
+    for record in records:
+        if record["kind"] == "comm" and record["round"] > shown:
+            shown = record["round"]
+            on_round(shown, job.recipe.federation.rounds,
+                     f"round {shown}, {record['devices']} devices, dropped {record['dropped']}")
+    return shown
 
 
 def _last_lines(path: Path, count: int = 3) -> str:
