@@ -18,7 +18,7 @@ from ondevice_moe.errors import UserError
 from ondevice_moe.recipe import Recipe, validate_recipe
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 BASES = [Path(__file__).parent / "recipes" / name for name in ("tiny.yaml", "tiny-classification.yaml")]
 FENCE = re.compile(r"^```yaml\n(.*?)^```", re.DOTALL | re.MULTILINE)
 
