@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import io
 import json
-import sys
 import sysconfig
 import zipfile
 from pathlib import Path
@@ -17,6 +16,7 @@ import torch
 import yaml
 from flwr.app import Context, Error, Message, RecordDict
 from safetensors.torch import load_file
+from test_strategy import TINY, InProcessGrid
 
 from ondevice_moe import runner
 from ondevice_moe.data.sources import device_source_kind, documents
@@ -32,9 +32,6 @@ from ondevice_moe.names import folder_name
 from ondevice_moe.recipe import load_recipe, validate_recipe
 from ondevice_moe.report import MetricsLog, summarize
 from ondevice_moe.run_model import open_user_model
-
-sys.path.insert(0, str(Path(__file__).parent))
-from test_strategy import TINY, InProcessGrid
 
 USERS = ("code", "docs", "tests")
 
