@@ -14,3 +14,9 @@ class UserError(Exception):
         self.problem = problem
         self.fix = fix
         super().__init__(problem if fix is None else f"{problem}\n  fix: {fix}")
+
+
+def failure_line(error: Exception) -> str:
+    """``error`` as the one line a run's ``error`` record keeps: a :class:`UserError`'s problem, else
+    the exception's type and message."""
+    return error.problem if isinstance(error, UserError) else f"{type(error).__name__}: {error}"

@@ -17,13 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import matplotlib
-
 from ondevice_moe.metrics import LOWER_IS_BETTER, lower_is_better
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
-from matplotlib.ticker import MaxNLocator
 
 
 class CorruptLog(ValueError):
@@ -407,6 +401,7 @@ def plot_expert_scores(records: list[dict[str, Any]], method: str, path: Path) -
     expert = "shared_0" if "shared_0" in first_expert else first_expert[0]
     layers = sorted({int(k.split("/")[0].removeprefix("layer_")) for k in keys})
     bands = layer_bands(layers)
+    plt = pyplot()
     colours = plt.cm.viridis_r([i / max(len(bands) - 1, 1) for i in range(len(bands))])
     figure, axes = plt.subplots(1, len(by_user), figsize=(4 * len(by_user), 3.4), squeeze=False, sharey=True)
     for axis, (user, rows) in zip(axes[0], sorted(by_user.items()), strict=True):
@@ -420,7 +415,7 @@ def plot_expert_scores(records: list[dict[str, Any]], method: str, path: Path) -
                               label=_band_label(band) if index == 0 else None)
         axis.set_title(user)
         axis.set_xlabel("round")
-        axis.xaxis.set_major_locator(MaxNLocator(integer=True))
+        integer_ticks(axis)
     axes[0][0].set_ylabel(f"score of {expert}")
     axes[0][-1].legend(title="layers", fontsize="small", loc="upper left", bbox_to_anchor=(1.02, 1.0))
     figure.suptitle(f"{method}: expert scores per layer")
@@ -446,6 +441,7 @@ def _band_label(band: list[int]) -> str:
 
 def plot_rounds(records: list[dict[str, Any]], methods: list[str], path: Path) -> Path | None:
     """Mean headline value (in-distribution perplexity or score) over rounds, one line per method."""
+    plt = pyplot()
     figure, axis = plt.subplots(figsize=(6, 3.6))
     drawn = False
     for method in methods:
@@ -459,12 +455,12 @@ def plot_rounds(records: list[dict[str, Any]], methods: list[str], path: Path) -
         elif by_round:
             rounds = sorted(by_round)
             axis.plot(rounds, [statistics.fmean(by_round[k]) for k in rounds], marker="o", label=method)
-            axis.set_xticks(rounds)
             drawn = True
     if not drawn:
         plt.close(figure)
         return None
     axis.set_xlabel("round")
+    integer_ticks(axis)
     language = any("test_ppl_in" in r for r in records if r["kind"] == "eval")
     axis.set_ylabel("mean test perplexity (in-dist)" if language else "mean test score")
     axis.legend()
@@ -480,7 +476,7 @@ def plot_communication(records: list[dict[str, Any]], methods: list[str], path: 
             uploads[method] = statistics.fmean(comm) / 2**20
     if not uploads:
         return None
-    figure, axis = plt.subplots(figsize=(max(4.0, 0.8 * len(uploads) + 2), 3.6))
+    figure, axis = pyplot().subplots(figsize=(max(4.0, 0.8 * len(uploads) + 2), 3.6))
     bars = axis.bar(list(uploads), list(uploads.values()), color="tab:blue")
     # A linear axis, so bar heights compare; full fine-tuning can dwarf the PEFT bars, so each carries its value.
     axis.bar_label(bars, labels=[format_bytes(mib * 2**20) for mib in uploads.values()], fontsize="small")
@@ -492,7 +488,26 @@ def plot_communication(records: list[dict[str, Any]], methods: list[str], path: 
     return save_figure(figure, path)
 
 
-def save_figure(figure, path: Path) -> Path:
+def pyplot() -> Any:
+    """matplotlib's ``pyplot`` on the file-only Agg backend, imported where a picture is drawn: a device's
+    worker process, which imports this module for its records, never draws (and starts faster)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot
+
+    return matplotlib.pyplot
+
+
+def integer_ticks(axis: Any) -> None:
+    """Round numbers on ``axis``'s x axis: whole numbers, as many as fit (1,500 rounds get a readable axis)."""
+    from matplotlib.ticker import MaxNLocator
+
+    axis.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
+def save_figure(figure: Any, path: Path) -> Path:
+    plt = pyplot()
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=110)

@@ -22,7 +22,7 @@ from typing import Any
 import yaml
 
 from ondevice_moe import strict_yaml
-from ondevice_moe.errors import UserError
+from ondevice_moe.errors import UserError, failure_line
 from ondevice_moe.federation.job import JOB_ENV, Job
 from ondevice_moe.federation.node import folder_node
 from ondevice_moe.names import folder_name
@@ -162,26 +162,30 @@ def _run_methods(recipe: Recipe, run_dir: Path, on_method: Callable[[str, int, i
                  on_round: Callable[[int, int, str], None] | None, federation: str | None) -> RunResult:
     log = MetricsLog(run_dir / "metrics.jsonl")
     finished = log.finished()
-    pending = [index for index in range(len(recipe.methods)) if recipe.method_name(index) not in finished]
+    pending = [Job(recipe, index, run_dir) for index in range(len(recipe.methods))
+               if recipe.method_name(index) not in finished]  # finished in an earlier, interrupted invocation
     if pending and federation is None:  # a finished run's rerun writes its report without loading anything
         check_inputs(recipe)
-    failures: list[str] = []
-    for index in range(len(recipe.methods)):
-        job = Job(recipe, index, run_dir)
-        if job.method.name in log.finished():
-            continue  # finished (checkpoints written) in an earlier, interrupted invocation
-        log.discard(job.method.name)
+    for job in pending:
+        log.discard(job.method.name)  # a method cut short runs again from round 1
+
+    def announce(job: Job) -> None:
         if on_method is not None:
-            on_method(job.method.name, index, len(recipe.methods))
-        try:
-            _run_method(job, on_round, federation)
-        except Exception as error:  # the ServerApp logged the cause; report it in one line below
-            message = error.problem if isinstance(error, UserError) else f"{type(error).__name__}: {error}"
-            log.write({"method": job.method.name, "kind": "error", "message": message})
-        if job.method.name not in log.finished():  # the other methods go on; the run then ends in this error
-            errors = [r["message"] for r in log.read() if r.get("method") == job.method.name and r["kind"] == "error"]
-            cause = errors[-1] if errors else "see the log above"
-            failures.append(f"method '{job.method.name}' did not finish: {cause}")
+            on_method(job.method.name, job.method_index, len(recipe.methods))
+
+    if federation is None:
+        _simulate_all(pending, announce, on_round)
+    else:
+        from ondevice_moe.federation.submit import submit
+
+        for job in pending:
+            announce(job)
+            try:
+                submit(job, federation, on_round)
+            except Exception as error:  # the ServerApp logged the cause where it could; this is the driver's
+                log.write({"method": job.method.name, "kind": "error", "message": failure_line(error)})
+    failures = [f"method '{job.method.name}' did not finish: {_cause(log, job)}"
+                for job in pending if job.method.name not in log.finished()]  # the other methods went on
     result = finish_report(recipe, run_dir)
     if failures:
         raise UserError("; ".join(failures), "fix the cause and run the same command again: finished methods are "
@@ -189,14 +193,9 @@ def _run_methods(recipe: Recipe, run_dir: Path, on_method: Callable[[str, int, i
     return result
 
 
-def _run_method(job: Job, on_round: Callable[[int, int, str], None] | None, federation: str | None) -> None:
-    """One method: on the SuperLink ``federation`` names, or in Flower's simulation on this machine."""
-    if federation is None:
-        _simulate(job, on_round)
-        return
-    from ondevice_moe.federation.submit import submit
-
-    submit(job, federation, on_round)
+def _cause(log: MetricsLog, job: Job) -> str:
+    errors = [r["message"] for r in log.read() if r.get("method") == job.method.name and r["kind"] == "error"]
+    return errors[-1] if errors else "see the log above"
 
 
 def finish_report(recipe: Recipe, run_dir: Path) -> RunResult:
@@ -304,22 +303,47 @@ def gpus_per_client(job: Job) -> float:
     return 1.0 / len(job.method.layouts)
 
 
-def _simulate(job: Job, on_round: Callable[[int, int, str], None] | None) -> None:
+def _simulate_all(jobs: list[Job], announce: Callable[[Job], None],
+                  on_round: Callable[[int, int, str], None] | None) -> None:
+    """Run ``jobs`` in Flower's simulation, one after another in one simulation (Ray, its workers and
+    what they load start once). Should the simulation itself end early, the method it was running
+    gets an ``error`` record and the methods it never started run in a new one."""
+    log = MetricsLog(jobs[0].run_dir / "metrics.jsonl") if jobs else None
+    while jobs and log is not None:
+        problem = "the simulation ended before this method did"
+        try:
+            _simulate(jobs, announce, on_round)
+        except Exception as error:
+            problem = failure_line(error)
+        records = log.read()
+        started = {record["method"] for record in records}
+        ended = {record["method"] for record in records if record["kind"] in ("done", "error")}
+        unstarted = [job for job in jobs if job.method.name not in started]
+        stalled = unstarted[:1] == jobs[:1]  # not even the first method started: another try would fare no better
+        for job in jobs:
+            if (job.method.name in started and job.method.name not in ended) or (stalled and job in unstarted):
+                log.write({"method": job.method.name, "kind": "error", "message": problem})
+        jobs = [] if stalled else unstarted
+
+
+def _simulate(jobs: list[Job], announce: Callable[[Job], None],
+              on_round: Callable[[int, int, str], None] | None) -> None:
     from flwr.simulation import run_simulation
 
     from ondevice_moe.federation import client_app, server_app
-    from ondevice_moe.federation.device_state import clear_state_folder
     from ondevice_moe.federation.window import simulation_cpus
 
-    job_file = job.to_file(job.run_dir / f".job-{job.method_index}.json")
+    first = jobs[0]
+    job_file = first.to_file(first.run_dir / ".jobs.json", [job.method_index for job in jobs])
     os.environ[JOB_ENV] = str(job_file.resolve())
-    federation = job.recipe.federation
+    federation = first.recipe.federation
     backend = {
         "init_args": {"num_cpus": simulation_cpus(federation), "logging_level": "ERROR",
                       "log_to_driver": False, "include_dashboard": False},
-        "client_resources": {"num_cpus": federation.cpus_per_client, "num_gpus": gpus_per_client(job)},
+        "client_resources": {"num_cpus": federation.cpus_per_client,
+                             "num_gpus": max(gpus_per_client(job) for job in jobs)},
     }
-    server_app.progress_hook = on_round
+    server_app.progress_hook, server_app.method_hook = on_round, announce
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -327,7 +351,6 @@ def _simulate(job: Job, on_round: Callable[[int, int, str], None] | None) -> Non
             # report, metrics.jsonl); Flower's own log of the actor's traceback would repeat it.
             logging.getLogger("flwr").setLevel(logging.CRITICAL)
             run_simulation(server_app=server_app.app, client_app=client_app.app,
-                           num_supernodes=len(job.method.layouts), backend_config=backend)
+                           num_supernodes=max(len(job.method.layouts) for job in jobs), backend_config=backend)
     finally:
-        server_app.progress_hook = None
-        clear_state_folder(job)
+        server_app.progress_hook = server_app.method_hook = None

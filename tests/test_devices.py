@@ -341,3 +341,21 @@ def test_a_checkpoint_of_the_wrong_shape_is_one_message(tmp_path):
     save_file({**tensors, name: torch.zeros(3, 3)}, str(checkpoint))
     with pytest.raises(UserError, match=f"does not fit the recipe's model: {name} has shape \\[3, 3\\]"):
         runner.evaluate_run(own)
+
+
+def test_a_device_drops_the_previous_methods_state_when_the_next_method_reaches_it():
+    from flwr.app import ConfigRecord
+
+    from ondevice_moe.federation.device_state import enter_method
+
+    recipe = load_recipe(TINY)
+    fedavg, comigs = Job(recipe, 1, Path(".")), Job(recipe, 2, Path("."))
+    context = Context(run_id=1, node_id=3, node_config={"partition-id": 0}, state=RecordDict(), run_config={})
+    context.state["device-state"] = ConfigRecord({"path": "resumed from its own disk"})
+    enter_method(fedavg, context)  # a state with no method named (a device resuming) is kept
+    assert context.state["device-state"]["path"] == "resumed from its own disk"
+    enter_method(fedavg, context)
+    assert "device-state" in context.state
+    enter_method(comigs, context)
+    assert list(context.state.keys()) == ["device-method"]
+    assert context.state["device-method"]["name"] == comigs.method.name

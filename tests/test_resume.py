@@ -84,10 +84,10 @@ def test_method_without_done_record_runs_again(tmp_path, monkeypatch):
                    "test_ppl_out": 9.0})
     simulated = []
     monkeypatch.setattr(runner, "check_inputs", lambda _: None)
-    monkeypatch.setattr(runner, "_simulate", lambda job, _: simulated.append(job.method.name))
+    monkeypatch.setattr(runner, "_simulate", lambda jobs, *_: simulated.append([job.method.name for job in jobs]))
     with pytest.raises(UserError, match="method 'pretrained' did not finish"):
         runner.run_recipe(recipe, run_dir)
-    assert simulated == ["pretrained", "fedavg", "comigs-1G1S"]  # a failed method does not stop the others
+    assert simulated == [["pretrained", "fedavg", "comigs-1G1S"]]  # one simulation; a stub that runs nothing
     assert not [r for r in log.read() if r["kind"] == "eval"]  # the partial attempt was discarded
 
 
@@ -128,7 +128,7 @@ def test_a_second_run_into_a_folder_in_use_is_refused_and_a_dead_owners_lock_tak
     run_dir = runner.prepare_run_dir(recipe, tmp_path / "run")
     monkeypatch.setattr(runner, "check_inputs", lambda _: None)
     simulated = []
-    monkeypatch.setattr(runner, "_simulate", lambda job, _: simulated.append(job.method.name))
+    monkeypatch.setattr(runner, "_simulate", lambda jobs, *_: simulated.extend(job.method.name for job in jobs))
     (run_dir / runner.LOCK).write_text(str(os.getpid()))  # a live owner: this very process
     with pytest.raises(UserError, match=f"another ondevice-moe run \\(pid {os.getpid()}\\) is writing"):
         runner.run_recipe(recipe, run_dir)

@@ -163,3 +163,32 @@ def test_oversized_and_misshaped_updates_are_rejected():
     assert "oversized" in check_update(Update(0, {"w": torch.zeros(2, 3, dtype=torch.float64)}, 4), reference)
     assert "shape (6,)" in check_update(Update(0, {"w": torch.zeros(6)}, 4), reference)
     assert "unexpected tensors" in check_update(Update(0, {"v": torch.zeros(2, 3)}, 4), reference)
+
+
+def test_one_simulation_runs_its_methods_in_turn_and_a_failing_one_does_not_stop_the_next(tmp_path, monkeypatch):
+    raw = yaml.safe_load(TINY.read_text())
+    raw["methods"] = ["fedavg", {"name": "comigs", "variant": "1G1S"}]
+    raw["federation"].update({"local_iterations": 1, "rounds": 1})
+    recipe = validate_recipe(raw)
+    run_dir = runner.prepare_run_dir(recipe, tmp_path / "run")
+    jobs = [Job(recipe, index, run_dir) for index in range(2)]
+    monkeypatch.setenv(JOB_ENV, str(jobs[0].to_file(run_dir / ".jobs.json", [1, 0]).resolve()))
+    grid = InProcessGrid(len(recipe.user_names))
+    monkeypatch.setattr(server_app, "windowed", lambda grid, *_: grid)
+    started = []
+    monkeypatch.setattr(server_app, "method_hook", lambda job: started.append(job.method.name))
+    real = server_app.run_federation
+
+    def first_fails(grid, job, log, nodes):
+        if job.method_index == 1:
+            raise RuntimeError("a method that breaks")
+        real(grid, job, log, nodes)
+
+    monkeypatch.setattr(server_app, "run_federation", first_fails)
+    server_app.main(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={}))
+    assert started == ["comigs-1G1S", "fedavg"]  # the order the job file gives
+    records = MetricsLog(run_dir / "metrics.jsonl").read()
+    assert [(r["method"], r["message"]) for r in records if r["kind"] == "error"] == [
+        ("comigs-1G1S", "RuntimeError: a method that breaks")]
+    assert MetricsLog(run_dir / "metrics.jsonl").finished() == {"fedavg"}
+    assert {int(m.content["config"]["method"]) for m in grid.sent if "config" in m.content} == {0}

@@ -13,11 +13,10 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers.pytorch_utils import Conv1D
 
 from ondevice_moe.experts.bias import BiasAdaptor
 from ondevice_moe.experts.conv_lora import ConvForm, ConvLoRA, relative_rank
-from ondevice_moe.experts.lora import LoRA, add_gated, linear_features
+from ondevice_moe.experts.lora import LoRA, add_gated, is_gpt2_conv1d, linear_features
 from ondevice_moe.experts.norm import NormAdaptor, is_norm
 
 Gate = Callable[[], torch.Tensor]
@@ -65,7 +64,7 @@ def layer_adaptor(layer: nn.Module, kinds: AdaptorKinds, generator: torch.Genera
     """The adaptors ``kinds`` put on ``layer``; ``None`` for a layer that takes none. A linear
     layer's LoRA has rank ``rank`` when given, else the rank of the budget ρ (§3.2)."""
     pieces: dict[str, nn.Module] = {}
-    if isinstance(layer, nn.Linear | Conv1D) and kinds.lora:
+    if (isinstance(layer, nn.Linear) or is_gpt2_conv1d(layer)) and kinds.lora:
         fan_in, fan_out = linear_features(layer)
         rank = rank or relative_rank(kinds.budget, fan_in * fan_out, fan_in + fan_out, kinds.min_rank)
         # FLoRAL's adaptor is W + UVᵀ, unscaled: α = r with α/r scaling gives γ = 1.

@@ -9,18 +9,26 @@ user's experts export to PEFT's file format without transposes.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
-from transformers.pytorch_utils import Conv1D
 
 Gate = Callable[[], torch.Tensor | None]
 
 
+def is_gpt2_conv1d(layer: nn.Module) -> bool:
+    """Whether ``layer`` is GPT-2's ``Conv1D`` (a linear layer with its weight transposed). A model of
+    transformers has imported it; where nothing has (the small models), no layer is one, and the
+    check leaves transformers unimported (seconds of a device worker's start-up)."""
+    pytorch_utils = sys.modules.get("transformers.pytorch_utils")
+    return pytorch_utils is not None and isinstance(layer, pytorch_utils.Conv1D)
+
+
 def linear_features(layer: nn.Module) -> tuple[int, int]:
     """Return ``(in_features, out_features)`` of a Linear, GPT-2 Conv1D or bnb layer."""
-    if isinstance(layer, Conv1D):
+    if is_gpt2_conv1d(layer):
         fan_in, fan_out = layer.weight.shape
         return int(fan_in), int(fan_out)
     if hasattr(layer, "in_features") and hasattr(layer, "out_features"):

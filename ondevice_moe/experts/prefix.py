@@ -22,9 +22,6 @@ import math
 
 import torch
 from torch import nn
-from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 ATTENTION_NAME = "ondevice_prefix"
 
@@ -53,6 +50,8 @@ def prefix_attention(
     **kwargs: object,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """SDPA attention with the module's gated prefix experts (if any) prepended."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward  # a transformers model calls this
+
     prefixes = getattr(module, "prefix", None)
     if prefixes is None or len(prefixes) == 0:
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
@@ -97,6 +96,9 @@ def _allowed(module: nn.Module, mask: torch.Tensor | None, q_len: int, k_len: in
 
 def register_prefix_attention() -> str:
     """Register the prefix-aware attention (idempotent) and return its name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
     AttentionInterface.register(ATTENTION_NAME, prefix_attention)
     AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
     return ATTENTION_NAME

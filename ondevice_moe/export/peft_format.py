@@ -22,11 +22,11 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers.pytorch_utils import Conv1D
 
 from ondevice_moe.errors import UserError
 from ondevice_moe.experts import LoRA
 from ondevice_moe.experts.layer_copy import layer_name
+from ondevice_moe.experts.lora import is_gpt2_conv1d
 from ondevice_moe.export.experts import Part, part_of
 from ondevice_moe.federation.device import head_paths
 from ondevice_moe.run_model import UserModel
@@ -101,7 +101,7 @@ def adapter_config(user_model: UserModel, loras: dict[str, LoRA], base_name: str
         "rank_pattern": {t: r for t, r in ranks.items() if r != rank},
         "alpha_pattern": {t: a for t, a in alphas.items() if a != alpha},
         "target_modules": sorted(loras),
-        "fan_in_fan_out": any(isinstance(base_module(model, t), Conv1D) for t in loras),
+        "fan_in_fan_out": any(is_gpt2_conv1d(base_module(model, t)) for t in loras),
         "lora_dropout": 0.0,
         "bias": "none",
         "modules_to_save": None if recipe.is_language_modelling else sorted(head_paths(model)),

@@ -32,10 +32,10 @@ from flwr.clientapp import ClientApp
 from flwr.supercore import log as flwr_log
 
 from ondevice_moe.federation import device as dev
-from ondevice_moe.federation.device_state import persist_context, resume_context
+from ondevice_moe.federation.device_state import enter_method, persist_context, resume_context
 from ondevice_moe.federation.evaluation import centre_scores, evaluate_device, mixture_scores, scores_every_source
 from ondevice_moe.federation.faults import fault_mod
-from ondevice_moe.federation.job import Job, device_job
+from ondevice_moe.federation.job import Job, device_job, message_method
 from ondevice_moe.federation.node import REFUSED
 from ondevice_moe.federation.privacy import noise_generator, privatize
 from ondevice_moe.federation.secure_aggregation import secure_aggregation_mod
@@ -49,9 +49,11 @@ def _device_index(context: Context) -> int:
 
 
 def _stored_state(job: Job, context: Context) -> dict[str, int]:
-    """A device whose SuperNode restarted picks up the private state it kept on its own disk
-    (:func:`~ondevice_moe.federation.device_state.resume_context`); ``resumed_round`` says from which round."""
+    """The device's state for the job's method: a device whose SuperNode restarted picks up the private
+    state it kept on its own disk (:func:`~ondevice_moe.federation.device_state.resume_context`;
+    ``resumed_round`` says from which round); one that served another method drops that method's."""
     resumed = resume_context(job, context)
+    enter_method(job, context)
     return {"resumed_round": resumed} if resumed else {}
 
 
@@ -88,7 +90,7 @@ def handler_figures(started: float) -> dict[str, float]:
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     started = time.perf_counter()
-    job = device_job(context)
+    job = device_job(context, message_method(msg))
     device = _device_index(context)
     resumed = _stored_state(job, context)
     arrays = _received(job, msg)
@@ -126,7 +128,7 @@ def train(msg: Message, context: Context) -> Message:
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
     started = time.perf_counter()
-    job = device_job(context)
+    job = device_job(context, message_method(msg))
     device = _device_index(context)
     _stored_state(job, context)
     arrays = _received(job, msg)

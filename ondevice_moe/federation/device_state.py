@@ -33,8 +33,22 @@ from ondevice_moe.federation.job import Job
 from ondevice_moe.names import folder_name
 
 STATE_KEY = "device-state"
+METHOD_KEY = "device-method"  # the method whose state ``context.state`` holds
 PRIVATE = "private/"
 OPTIMIZER = "optimizer"
+
+
+def enter_method(job: Job, context: Context) -> None:
+    """Make ``context.state`` the state of ``job``'s method. ``ondevice-moe finetune`` runs a recipe's
+    methods one after another on the same simulated devices, so a device's first message of the next
+    method finds the last method's state: it is dropped, and the device starts the method afresh."""
+    held = context.state.get(METHOD_KEY)
+    if held is not None and held["name"] == job.method.name:
+        return
+    if held is not None:
+        for key in list(context.state.keys()):
+            del context.state[key]
+    context.state[METHOD_KEY] = ConfigRecord({"name": job.method.name})
 
 
 def state_folder(job: Job) -> Path:

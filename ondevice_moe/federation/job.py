@@ -1,7 +1,9 @@
 """The job a Flower app runs: a validated recipe, the method to run, the run folder.
 
-Under ``ondevice-moe finetune`` (Flower's simulation engine) the job travels as
-a JSON file named by ``$ONDEVICE_MOE_JOB``. Under ``flwr run`` (simulation or
+Under ``ondevice-moe finetune`` (Flower's simulation engine) the jobs travel as
+a JSON file named by ``$ONDEVICE_MOE_JOB``: the recipe, the run folder and the methods to run,
+one after another in one simulation; each message names its method (``method`` in its config
+record), so a device knows which method's job it serves. Under ``flwr run`` (simulation or
 deployment) it comes from the run config: ``recipe`` (a path) or ``recipe-json`` (the
 recipe itself, as ``ondevice-moe finetune --federation`` sends it), ``method`` (the
 index of the recipe's method entry) and ``run-dir`` (the server's run folder).
@@ -19,7 +21,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
-from flwr.app import Context
+from flwr.app import Context, Message
 
 from ondevice_moe import BUNDLED_RECIPES
 from ondevice_moe.errors import UserError
@@ -70,19 +72,33 @@ class Job:
             betas=t.betas, lr_schedule=t.lr_schedule, optimizer=t.optimizer,
         )
 
-    def to_file(self, path: Path) -> Path:
+    def to_file(self, path: Path, methods: list[int] | None = None) -> Path:
+        """Write the job for the simulation's apps; ``methods``: the recipe's methods it runs (default: this one)."""
         payload = {"recipe": self.recipe.model_dump(mode="json"), "method": self.method_index,
-                   "run_dir": str(self.run_dir)}
+                   "methods": methods or [self.method_index], "run_dir": str(self.run_dir)}
         path.write_text(json.dumps(payload), encoding="utf-8")
         return path
 
     @classmethod
     def from_file(cls, path: str | Path) -> Job:
-        payload = json.loads(Path(path).read_text(encoding="utf-8"))
-        return cls(validate_recipe(payload["recipe"]), int(payload["method"]), Path(payload["run_dir"]))
+        return jobs_from_file(path)[0]
+
+    def for_method(self, method_index: int) -> Job:
+        """The same run's job for another of the recipe's methods."""
+        if method_index == self.method_index:
+            return self
+        return Job(self.recipe, method_index, self.run_dir, self.node, self.submitted)
 
 
-_JOBS: dict[str, Job] = {}
+def jobs_from_file(path: str | Path) -> list[Job]:
+    """The jobs of a file :meth:`Job.to_file` wrote, in the order they run."""
+    payload = json.loads(Path(path).read_text(encoding="utf-8"))
+    recipe, run_dir = validate_recipe(payload["recipe"]), Path(payload["run_dir"])
+    return [Job(recipe, int(index), run_dir) for index in payload.get("methods", [payload["method"]])]
+
+
+_JOBS: dict[str, list[Job]] = {}
+_METHOD_JOBS: dict[tuple[int, int], Job] = {}
 
 
 def _locate(recipe: str) -> Path:
@@ -122,29 +138,49 @@ def _recipe_of(config: dict) -> Recipe:
     return with_deployment_defaults(load_recipe(_locate(str(config["recipe"]))))
 
 
-def job_from_context(context: Context) -> Job:
-    """The job of this run, from the run config (``flwr run``) or ``$ONDEVICE_MOE_JOB``."""
+def jobs_from_context(context: Context) -> list[Job]:
+    """The jobs of this run, in the order the ServerApp runs them: the run config's one method
+    (``flwr run``), or the methods ``$ONDEVICE_MOE_JOB`` names (``ondevice-moe finetune``'s simulation)."""
     config = context.run_config
     if submitted(config):
         key = f"{config.get('recipe')}|{config.get('recipe-json')}|{config.get('method', 0)}|{config.get('run-dir')}"
         if key not in _JOBS:
             recipe = _recipe_of(config)
             run_dir = Path(str(config.get("run-dir") or Path("runs") / recipe.name))
-            _JOBS[key] = Job(recipe, int(config.get("method", 0)), run_dir, submitted=True)
+            _JOBS[key] = [Job(recipe, int(config.get("method", 0)), run_dir, submitted=True)]
         return _JOBS[key]
     path = os.environ.get(JOB_ENV)
     if not path:
         raise RuntimeError(f"no job: set run config 'recipe' (flwr run) or ${JOB_ENV} (simulation)")
     if path not in _JOBS:
-        _JOBS[path] = Job.from_file(path)
+        _JOBS[path] = jobs_from_file(path)
     return _JOBS[path]
 
 
-def device_job(context: Context) -> Job:
-    """The job as a device runs it: under ``flwr run``, with the device's node facts and its own
-    folder ``<state-dir>/<recipe>`` as the run folder; in ``ondevice-moe finetune``'s simulation,
-    where every device is this machine, the job itself."""
-    job = job_from_context(context)
+def job_from_context(context: Context, method_index: int | None = None) -> Job:
+    """The job of this run for method ``method_index`` of the recipe (what a message names; default:
+    the run's first method)."""
+    jobs = jobs_from_context(context)
+    if method_index is None:
+        return jobs[0]
+    key = (id(jobs[0]), method_index)  # the run's jobs live as long as the process: their ids stay theirs
+    if key not in _METHOD_JOBS:
+        _METHOD_JOBS[key] = next((job for job in jobs if job.method_index == method_index), None) \
+            or jobs[0].for_method(method_index)
+    return _METHOD_JOBS[key]
+
+
+def message_method(message: Message) -> int | None:
+    """The recipe's method a message is for (``method`` in its config record), if it says."""
+    config = message.content.config_records.get("config")
+    return int(config["method"]) if config is not None and "method" in config else None
+
+
+def device_job(context: Context, method_index: int | None = None) -> Job:
+    """The job as a device runs it for method ``method_index``: under ``flwr run``, with the device's
+    node facts and its own folder ``<state-dir>/<recipe>`` as the run folder; in ``ondevice-moe
+    finetune``'s simulation, where every device is this machine, the job itself."""
+    job = job_from_context(context, method_index)
     if not submitted(context.run_config):
         return job
     node = node_facts(context.node_config)

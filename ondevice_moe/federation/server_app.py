@@ -1,4 +1,9 @@
-"""The Flower ServerApp: one method of a recipe, run by :class:`SlotStrategy`.
+"""The Flower ServerApp: a recipe's methods, each run by :class:`SlotStrategy`.
+
+Under ``ondevice-moe finetune`` one simulation runs the recipe's unfinished methods one after
+another on the same simulated devices (Ray, its workers and what they loaded start once per
+recipe); a method that fails is logged and the next one goes on. Under ``flwr run`` a run is
+one method.
 
 Messages carry shared tensors only (CoMiGS Alg. 1 lines 498 and 515). Every
 round the server logs per-device training metrics, the bytes it sent and
@@ -13,48 +18,80 @@ ServerApp does both itself, so the folder is the same either way.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-from ondevice_moe.errors import UserError
-from ondevice_moe.federation.job import Job, job_from_context
+from ondevice_moe.errors import failure_line
+from ondevice_moe.federation.device_state import clear_state_folder
+from ondevice_moe.federation.job import Job, jobs_from_context
 from ondevice_moe.federation.strategy import SlotStrategy, connect, pack_slots
-from ondevice_moe.federation.window import WindowedGrid, simulation_window
+from ondevice_moe.federation.window import IN_FLIGHT_BYTES, WindowedGrid, simulation_window
 from ondevice_moe.report import MetricsLog
 
 app = ServerApp()
 
-# Set by the CLI in the simulation's driver process: called after each round
-# with (round, total_rounds, summary line).
+# Set by the runner in the simulation's driver process: called after each round
+# with (round, total_rounds, summary line), and as each method starts with that method's job.
 progress_hook: Callable[[int, int, str], None] | None = None
+method_hook: Callable[[Job], None] | None = None
 
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    job = job_from_context(context)
-    standalone = bool(context.run_config.get("recipe"))  # `flwr run`, not the runner
-    if standalone:
-        from ondevice_moe import runner
+    jobs = jobs_from_context(context)
+    if context.run_config.get("recipe"):  # `flwr run`, not the runner
+        run_submitted(grid, jobs[0])
+        return
+    devices = max(len(job.method.layouts) for job in jobs)
+    nodes: dict[int, int] = {}
+    for job in jobs:
+        if method_hook is not None:
+            method_hook(job)
+        try:
+            with failure_logged(job):
+                nodes = nodes or connect(grid, devices, job.recipe.federation.reply_timeout_s)
+                run_federation(windowed(grid, job, False), job, run_log(job), nodes)
+        except Exception:  # logged; the runner reports it once the other methods have run
+            continue
+        finally:
+            clear_state_folder(job)
 
-        runner.start_method(job)
-    log = MetricsLog(job.run_dir / "metrics.jsonl")
+
+def run_submitted(grid: Grid, job: Job) -> None:
+    """The one method of a ``flwr run``: the ServerApp prepares the run folder and writes the report."""
+    from ondevice_moe import runner
+
+    runner.start_method(job)
     try:
-        run_federation(WindowedGrid(grid, message_window(job, standalone)), job, log)
+        with failure_logged(job):
+            run_federation(windowed(grid, job, True), job, run_log(job))
+    finally:  # with what it has if the method failed
+        runner.finish_report(job.recipe, job.run_dir)
+
+
+def run_log(job: Job) -> MetricsLog:
+    return MetricsLog(job.run_dir / "metrics.jsonl")
+
+
+@contextmanager
+def failure_logged(job: Job) -> Iterator[None]:
+    """Write a failure of ``job`` to the run's log as an ``error`` record, which the runner (or
+    ``ondevice-moe finetune --federation``) reports in one line, and raise it on."""
+    try:
+        yield
     except Exception as error:
-        # The driver (or `ondevice-moe finetune --federation`) reads this record to report the failure in one line.
-        message = error.problem if isinstance(error, UserError) else f"{type(error).__name__}: {error}"
-        log.write({"method": job.method.name, "kind": "error", "message": message})
+        message = failure_line(error)
+        run_log(job).write({"method": job.method.name, "kind": "error", "message": message})
         raise
-    finally:
-        if standalone:  # under `flwr run` the ServerApp writes the report, with what it has if the method failed
-            runner.finish_report(job.recipe, job.run_dir)
 
 
-def message_window(job: Job, standalone: bool) -> int:
-    """How many messages may be out at once: the recipe's ``federation.messages_in_flight``; by default
-    two per simulation worker under ``ondevice-moe finetune``, and every device at once under ``flwr run``.
+def windowed(grid: Grid, job: Job, standalone: bool) -> WindowedGrid:
+    """``grid`` sending at most the recipe's ``federation.messages_in_flight`` messages at once; by default,
+    in ``ondevice-moe finetune``'s simulation, two per worker or as many as :data:`IN_FLIGHT_BYTES` of
+    tensors allow, whichever is more, and every device at once under ``flwr run``.
 
     The grid always gets its messages through :class:`WindowedGrid`, which pushes them one list at a
     time: the deployment engine's grid reads the iterable it is given twice, so a lazily built round
@@ -62,16 +99,22 @@ def message_window(job: Job, standalone: bool) -> int:
     """
     federation = job.recipe.federation
     if federation.messages_in_flight is not None:
-        return federation.messages_in_flight
-    return len(job.method.layouts) if standalone else simulation_window(federation)
+        return WindowedGrid(grid, federation.messages_in_flight)
+    if standalone:
+        return WindowedGrid(grid, len(job.method.layouts))
+    return WindowedGrid(grid, simulation_window(federation), budget_bytes=IN_FLIGHT_BYTES)
 
 
-def run_federation(grid: Grid, job: Job, log: MetricsLog) -> None:
-    """Train (or only evaluate) one method, then write its ``done`` record."""
+def run_federation(grid: Grid, job: Job, log: MetricsLog, connected: dict[int, int] | None = None) -> None:
+    """Train (or only evaluate) one method, then write its ``done`` record. ``connected``: device →
+    node of the devices a simulation connected for all its methods (default: connect them now)."""
     federation = job.recipe.federation
     refused: list[tuple[int, str]] = []
-    nodes = connect(grid, len(job.method.layouts), federation.reply_timeout_s,
-                    lambda node, why: refused.append((node, why)))
+    devices = len(job.method.layouts)
+    if connected is None:
+        nodes = connect(grid, devices, federation.reply_timeout_s, lambda node, why: refused.append((node, why)))
+    else:  # a method with fewer devices (the centralized upper bound: one) uses the first of them
+        nodes = {device: node for device, node in connected.items() if device < devices}
     strategy = SlotStrategy(job, nodes, log, progress_hook)
     for node, why in refused:
         strategy.refuse(grid, node, why)

@@ -52,7 +52,7 @@ from ondevice_moe.federation.privacy import noise_std
 from ondevice_moe.federation.robust import robust_updates
 from ondevice_moe.federation.rules import Slots
 from ondevice_moe.federation.secure_aggregation import SecureRound, secure_round
-from ondevice_moe.federation.transport import Transport, decode, encode
+from ondevice_moe.federation.transport import Transport, decode, encode, record_bytes
 from ondevice_moe.methods.base import is_expert_tensor
 from ondevice_moe.recipe import FederationSection
 from ondevice_moe.report import MetricsLog
@@ -280,7 +280,7 @@ class SlotStrategy(Strategy):
         its bytes then counted as sent."""
         for device in sampled:
             message = self._message(device, MessageType.TRAIN, server_round, final=False)
-            self._round["sent"][device] = _record_bytes(message.content["arrays"])
+            self._round["sent"][device] = record_bytes(message.content["arrays"])
             yield message
 
     def aggregate_train(self, server_round: int,
@@ -485,7 +485,7 @@ class SlotStrategy(Strategy):
         train_round = server_round if kind == MessageType.TRAIN else None
         arrays = ArrayRecord(encode(self.rule.message_for(self.slots, device, train_round),
                                     self.federation.transport))
-        config = ConfigRecord({"server-round": server_round, "final": final})
+        config = ConfigRecord({"server-round": server_round, "final": final, "method": self.job.method_index})
         return Message(RecordDict({"arrays": arrays, "config": config}), dst_node_id=self.nodes[device],
                        message_type=kind, group_id=str(server_round))
 
@@ -519,7 +519,7 @@ class SlotStrategy(Strategy):
             update = Update(device, dict(arrays.to_torch_state_dict()), int(examples), usage, mixture)
         except (KeyError, TypeError, ValueError, OverflowError) as error:
             return Update(device, {}, 0), {}, 0, f"malformed reply ({type(error).__name__}: {error})"
-        size = _record_bytes(arrays) + sum(content[key].count_bytes() for key in ("usage", "mixture") if key in content)
+        size = record_bytes(arrays) + sum(content[key].count_bytes() for key in ("usage", "mixture") if key in content)
         metrics.pop("device", None)
         return update, metrics, size, None
 
@@ -576,7 +576,3 @@ def device_error(reason: str) -> str:
     lines = [line.strip() for line in text.replace("\\n", "\n").splitlines() if line.strip()]
     message = " ".join(lines) or reason
     return message if kind in ("", UserError.__name__) else f"{kind}: {message}"
-
-
-def _record_bytes(record: ArrayRecord) -> int:
-    return int(sum(array.numpy().nbytes for array in record.values()))

@@ -20,10 +20,13 @@ Encoding is deterministic (round half to even), so a resumed run repeats it.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Literal
 
+import numpy as np
 import torch
+from flwr.app import ArrayRecord
 
 Transport = Literal["fp32", "bf16", "fp16", "int8"]
 SCALE_SUFFIX = "::scale"
@@ -90,3 +93,9 @@ def _decode_one(name: str, array: torch.Tensor, wire: Mapping[str, torch.Tensor]
         raise ValueError(f"{name} travelled without a float32 scalar {name}{SCALE_SUFFIX}")
     return array.float() * scale.reshape(())
 
+
+
+def record_bytes(record: ArrayRecord) -> int:
+    """The bytes of the tensors in ``record`` (as counted in ``bytes_up`` / ``bytes_down``), from each
+    array's dtype and shape: nothing is deserialised."""
+    return sum(np.dtype(array.dtype).itemsize * math.prod(array.shape) for array in record.values())

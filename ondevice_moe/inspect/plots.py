@@ -11,7 +11,9 @@ from matplotlib.colors import ListedColormap
 
 from ondevice_moe.inspect.capture import TokenRouting
 from ondevice_moe.inspect.rounds import DeviceBytes, ScoreGrid
-from ondevice_moe.report import format_bytes, plt, save_figure
+from ondevice_moe.report import format_bytes, pyplot, save_figure
+
+plt = pyplot()  # the inspect page is all pictures
 
 # Shared experts in cool colours, private ones in warm colours (tab10).
 SHARED_COLOURS = ("#1f77b4", "#2ca02c", "#17becf", "#9467bd", "#7f7f7f")

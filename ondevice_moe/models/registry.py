@@ -28,7 +28,6 @@ from ondevice_moe.errors import UserError
 from ondevice_moe.models.devices import resolve_device
 from ondevice_moe.models.gguf_cache import cached_gguf_folder
 from ondevice_moe.models.small import SMALL_MODELS, small_model
-from ondevice_moe.models.tiny import byte_tokenizer, tiny_model
 
 Quantization = Literal["none", "nf4", "int8"]
 
@@ -135,6 +134,8 @@ def load_base_model(
         model = _small(name, num_labels, regression, seed, input_shape, model_options)
         tokenizer = None
     elif name in TINY_MODELS:
+        from ondevice_moe.models.tiny import byte_tokenizer, tiny_model  # transformers only where it is used
+
         tokenizer = byte_tokenizer()
         model = tiny_model(name, len(tokenizer), num_labels, regression)
     else:
