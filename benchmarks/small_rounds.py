@@ -5,6 +5,9 @@ alternating), at two round counts ``R1 < R2``:
 
 * **plain**: ``benchmarks/plain_fedavg.py`` — the recipe's task, clients, MLP, batch size,
   learning rate, local epochs and evaluation schedule, as one plain loop;
+* **flower**: ``benchmarks/flower_floor.py`` — Flower's simulation engine alone: every round, one
+  message to each client carrying the model's weights and an immediate reply, no training (what
+  any app on that engine pays per round on this machine);
 * **toolkit**: ``ondevice-moe finetune RECIPE`` with only the FedAvg method (``fed-ft``: the whole
   model trained and averaged), a real Flower simulation into a fresh run folder; then the same
   command again on the finished folder (**rerun**: it only rewrites the report);
@@ -13,7 +16,7 @@ alternating), at two round counts ``R1 < R2``:
 
 Each side's wall time ``T(R)`` gives its **per-round slope** ``(T(R2) − T(R1)) / (R2 − R1)`` and its
 **fixed start-up** ``T(R1) − R1 · slope`` (process start, imports, data, Ray and Flower, report).
-The figures: the toolkit's slope ÷ the plain loop's (goal ≤ 1.5), the toolkit's start-up per
+The figures: the toolkit's slope ÷ the plain loop's (goal ≤ 1.5) and ÷ Flower's floor, the toolkit's start-up per
 method (goal ≤ 5 s) and per recipe (≤ 10 s; ``--whole-recipe``: the recipe's intercept, and
 (its intercept − one method's) ÷ (methods − 1) per further method), the rerun (≤ 3 s), and both
 sides' mean client accuracy after ``R2`` rounds (the same work gives about the same accuracy).
@@ -104,6 +107,17 @@ def toolkit(args: argparse.Namespace, rounds: int, folder: Path, methods: list[s
     return fresh, rerun, next(iter(summary["methods"].values()))["mean_score"]
 
 
+def flower(rounds: int, recipe: Recipe) -> float:
+    """Wall seconds of Flower's floor: the recipe's clients, each message carrying the model's weights."""
+    from ondevice_moe.federation.device import job_base_model
+    from ondevice_moe.federation.job import Job
+
+    weights = sum(p.numel() * p.element_size() for p in job_base_model(Job(recipe, 0, Path())).model.parameters())
+    seconds, _ = timed([sys.executable, str(ROOT / "benchmarks" / "flower_floor.py"), "--rounds", str(rounds),
+                        "--nodes", str(recipe.task.clients), "--payload-kib", str(max(1, round(weights / 1024)))])
+    return seconds
+
+
 def plain(rounds: int, arguments: list[str]) -> tuple[float, float]:
     seconds, output = timed([sys.executable, str(ROOT / "benchmarks" / "plain_fedavg.py"), "--rounds", str(rounds),
                              *arguments])
@@ -120,7 +134,7 @@ def line(times: dict[int, float]) -> dict[str, float]:
 def measure(args: argparse.Namespace) -> dict[str, object]:
     recipe = load_recipe(args.recipe, args.overrides)
     arguments = plain_arguments(recipe)
-    sides = ["plain", "toolkit", *(["recipe"] if args.whole_recipe else [])]
+    sides = ["plain", "flower", "toolkit", *(["recipe"] if args.whole_recipe else [])]
     walls: dict[str, dict[int, list[float]]] = {side: {r: [] for r in args.rounds} for side in sides}
     reruns: list[float] = []
     scores: dict[str, float] = {}
@@ -131,6 +145,8 @@ def measure(args: argparse.Namespace) -> dict[str, object]:
                 folder = args.output / f"{side}-{rounds}-{repeat}"
                 if side == "plain":
                     seconds, scores["plain"] = plain(rounds, arguments)
+                elif side == "flower":
+                    seconds = flower(rounds, recipe)
                 else:
                     methods = ["--set", FEDAVG] if side == "toolkit" else []
                     seconds, rerun, scores[side] = toolkit(args, rounds, folder, methods)
@@ -143,6 +159,7 @@ def measure(args: argparse.Namespace) -> dict[str, object]:
     figures: dict[str, object] = {
         "recipe": recipe.name, "rounds": args.rounds, "repeats": args.repeats, "wall_s": medians, "lines": lines,
         "slope_ratio": lines["toolkit"]["per_round_s"] / lines["plain"]["per_round_s"],
+        "slope_ratio_to_flower": lines["toolkit"]["per_round_s"] / lines["flower"]["per_round_s"],
         "start_up_per_method_s": lines["toolkit"]["start_up_s"], "rerun_s": statistics.median(reruns),
         "mean_accuracy_after_r2": scores, "goals": GOALS,
     }
@@ -165,7 +182,8 @@ def markdown(figures: dict[str, object]) -> str:
                     f"{1000 * fit['per_round_s']:.1f} ms | {fit['start_up_s']:.2f} s |")
     goals = figures["goals"]
     rows += ["", f"- per-round slope, toolkit ÷ plain: **{figures['slope_ratio']:.2f}×** "
-             f"(goal ≤ {goals['slope_ratio']})",
+             f"(goal ≤ {goals['slope_ratio']}); toolkit ÷ Flower's floor: "
+             f"**{figures['slope_ratio_to_flower']:.2f}×**",
              f"- start-up of a one-method recipe: **{figures['start_up_per_method_s']:.2f} s** "
              f"(goal ≤ {goals['start_up_per_method_s']:g} s per method)",
              f"- rerun of a finished run: **{figures['rerun_s']:.2f} s** (goal ≤ {goals['rerun_s']:g} s)"]

@@ -176,3 +176,44 @@ def test_process_tree_holds_a_child_and_its_grandchild(monkeypatch):
     finally:
         child.kill()
         child.wait()
+
+
+def test_small_rounds_benchmark_times_both_sides_at_two_round_counts(monkeypatch, tmp_path):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import small_rounds
+
+    figures = small_rounds.main(["--rounds", "1", "2", "--set", "task.clients=4", "--output", str(tmp_path)])
+    for side in ("plain", "flower", "toolkit"):
+        assert set(figures["wall_s"][side]) == {1, 2} and min(figures["wall_s"][side].values()) > 0
+        fit = figures["lines"][side]
+        assert fit["start_up_s"] + 2 * fit["per_round_s"] == pytest.approx(figures["wall_s"][side][2])
+    assert figures["slope_ratio"] == pytest.approx(figures["lines"]["toolkit"]["per_round_s"]
+                                                   / figures["lines"]["plain"]["per_round_s"])
+    assert 0 < figures["rerun_s"] < figures["wall_s"]["toolkit"][1], "a finished run's rerun trains nothing"
+    assert set(figures["mean_accuracy_after_r2"]) == {"plain", "toolkit"}
+    assert "toolkit ÷ plain" in (tmp_path / "small_rounds.md").read_text()
+
+
+def test_small_rounds_benchmark_refuses_a_recipe_the_plain_loop_cannot_mirror(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import small_rounds
+
+    from ondevice_moe.recipe import load_recipe
+
+    with pytest.raises(UserError, match="cannot mirror"):
+        small_rounds.plain_arguments(load_recipe(Path(__file__).parent / "recipes" / "tiny.yaml"))
+    with pytest.raises(UserError, match="cannot mirror"):
+        small_rounds.plain_arguments(load_recipe(BENCHMARKS.parent / "recipes" / "flow-digits.yaml",
+                                                 ["training.optimizer=adamw"]))
+
+
+def test_profile_top_counts_a_frame_once_per_sample_and_keeps_only_matching_files(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import profile_top
+
+    lines = ['process 1:"ondevice-moe";main (ondevice_moe/cli.py:1);step (ondevice_moe/training.py:9);'
+             'step (ondevice_moe/training.py:9) 30',
+             'process 1:"ondevice-moe";main (ondevice_moe/cli.py:1);wait (ray/worker.py:3) 10',
+             "a line py-spy did not write"]
+    frames = dict(profile_top.top_frames(lines, rate=10, match=["ondevice_moe/"], top=5))
+    assert frames == {"main (ondevice_moe/cli.py:1)": 4.0, "step (ondevice_moe/training.py:9)": 3.0}
