@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ondevice_moe.example_loss import EXAMPLE_WEIGHTS, example_loss
-from ondevice_moe.experts.preconditioning import precondition_gradients
+from ondevice_moe.experts.preconditioning import low_rank_modules, precondition_gradients
 from ondevice_moe.federation.rank_pruning import pruning_penalty, zero_pruned_ranks
 from ondevice_moe.layout import hermes_routers, routing_sites, total_balance_loss
 from ondevice_moe.methods import Method
@@ -87,6 +87,7 @@ class DeviceTrainer:
         self.trainable = [(n, p) for n, p in self.model.named_parameters()
                           if p.requires_grad and self.method.is_trainable(n)]
         self.hermes_routers = hermes_routers(self.model)
+        self.preconditioned = low_rank_modules(self.model) if self.method.procedure.lora_preconditioning else []
         groups = [{"params": self.expert_parameters()}]
         if self.method.procedure.routers == "joint":
             self._add_joint_routers(groups)
@@ -192,7 +193,8 @@ class DeviceTrainer:
         for name, param in self.trainable:
             param.requires_grad_((train_router if _is_router(name) else train_experts) and id(param) not in idle)
         try:
-            self.model.train()
+            if not self.model.training:  # a whole-model switch: every module then trains (no code sets one alone)
+                self.model.train()
             with counting_real_tokens(self.hermes_routers, batch.get("attention_mask")):
                 output = self.model(**batch)
             loss = output.loss if weights is None else \
@@ -218,7 +220,7 @@ class DeviceTrainer:
             for router in self.hermes_routers:
                 router.after_backward()
             if procedure.lora_preconditioning:
-                precondition_gradients(self.model)
+                precondition_gradients(self.preconditioned)
             if self.config.grad_clip is not None:
                 params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
                 torch.nn.utils.clip_grad_norm_(params, self.config.grad_clip)

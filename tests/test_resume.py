@@ -167,3 +167,46 @@ def test_rerunning_a_finished_run_loads_no_model_or_data(tmp_path, monkeypatch):
     monkeypatch.setattr(runner, "check_inputs", must_not_load)
     result = runner.run_recipe(recipe, run_dir)
     assert set(result.summary["methods"]) == {recipe.method_name(i) for i in range(len(recipe.methods))}
+
+
+def test_a_simulation_that_ends_early_gives_its_method_an_error_and_the_unstarted_ones_a_new_simulation(
+        tmp_path, monkeypatch):
+    recipe = load_recipe(TINY)
+    run_dir = runner.prepare_run_dir(recipe, tmp_path / "run")
+    log = MetricsLog(run_dir / "metrics.jsonl")
+    calls = []
+
+    def simulate(jobs, *_):
+        calls.append([job.method.name for job in jobs])
+        if len(calls) == 1:  # the first method finishes, the second starts, then Ray dies
+            log.write({"method": jobs[0].method.name, "kind": "done", "rounds": 0})
+            log.write({"method": jobs[1].method.name, "round": 1, "kind": "comm", "bytes_up": 0})
+            raise RuntimeError("the Ray cluster went away")
+        for job in jobs:
+            log.write({"method": job.method.name, "kind": "done", "rounds": 2})
+
+    monkeypatch.setattr(runner, "check_inputs", lambda _: None)
+    monkeypatch.setattr(runner, "_simulate", simulate)
+    monkeypatch.setattr(runner, "finish_report", lambda recipe, run_dir: runner.RunResult(run_dir, {}, run_dir))
+    with pytest.raises(UserError, match="method 'fedavg' did not finish: RuntimeError: the Ray cluster went away"):
+        runner.run_recipe(recipe, run_dir)
+    assert calls == [["pretrained", "fedavg", "comigs-1G1S"], ["comigs-1G1S"]]
+    assert log.finished() == {"pretrained", "comigs-1G1S"}
+
+
+def test_a_simulation_that_cannot_start_fails_every_method_once(tmp_path, monkeypatch):
+    recipe = load_recipe(TINY)
+    run_dir = runner.prepare_run_dir(recipe, tmp_path / "run")
+    calls = []
+
+    def no_ray(jobs, *_):
+        calls.append(len(jobs))
+        raise RuntimeError("Ray could not start")
+
+    monkeypatch.setattr(runner, "check_inputs", lambda _: None)
+    monkeypatch.setattr(runner, "_simulate", no_ray)
+    with pytest.raises(UserError, match="Ray could not start"):
+        runner.run_recipe(recipe, run_dir)
+    assert calls == [3], "no second try when not even the first method started"
+    errors = [r["method"] for r in MetricsLog(run_dir / "metrics.jsonl").read() if r["kind"] == "error"]
+    assert errors == ["pretrained", "fedavg", "comigs-1G1S"]
