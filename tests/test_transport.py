@@ -11,8 +11,8 @@ from ondevice_moe import runner
 from ondevice_moe.errors import UserError
 from ondevice_moe.federation.aggregation import Update
 from ondevice_moe.federation.faults import poison
-from ondevice_moe.federation.strategy import _record_bytes, decode_update
-from ondevice_moe.federation.transport import SCALE_SUFFIX, decode, encode
+from ondevice_moe.federation.strategy import decode_update
+from ondevice_moe.federation.transport import SCALE_SUFFIX, decode, encode, record_bytes
 from ondevice_moe.recipe import load_recipe
 
 TINY = Path(__file__).parent / "recipes" / "tiny.yaml"
@@ -75,9 +75,9 @@ def test_all_zero_and_integer_tensors_travel_exactly(kind):
 
 def test_int8_upload_takes_a_quarter_of_the_bytes_plus_scales():
     tensors = _tensors()
-    fp32 = _record_bytes(ArrayRecord(encode(tensors, "fp32")))
-    assert _record_bytes(ArrayRecord(encode(tensors, "int8"))) == fp32 // 4 + 4 * len(tensors)
-    assert _record_bytes(ArrayRecord(encode(tensors, "bf16"))) == fp32 // 2
+    fp32 = record_bytes(ArrayRecord(encode(tensors, "fp32")))
+    assert record_bytes(ArrayRecord(encode(tensors, "int8"))) == fp32 // 4 + 4 * len(tensors)
+    assert record_bytes(ArrayRecord(encode(tensors, "bf16"))) == fp32 // 2
 
 
 def test_wrong_or_incomplete_uploads_are_rejected():
