@@ -89,3 +89,19 @@ def test_a_recipe_sets_the_window_and_refuses_zero():
     assert load_recipe(tiny).federation.messages_in_flight is None
     with pytest.raises(Exception, match="messages_in_flight"):
         load_recipe(tiny, ["federation.messages_in_flight=0"])
+
+
+def test_a_byte_budget_widens_the_window_for_small_messages_only():
+    import numpy as np
+    from flwr.app import ArrayRecord
+
+    def carrying(kib: int, count: int) -> Iterator[Message]:
+        for node in range(1, count + 1):
+            yield Message(RecordDict({"arrays": ArrayRecord([np.zeros(kib * 256, dtype=np.float32)])}),
+                          dst_node_id=node, message_type="train")
+
+    small, large = EchoGrid(), EchoGrid()
+    WindowedGrid(small, window=2, budget_bytes=64 * 1024).send_and_receive(carrying(1, 20), timeout=10)  # type: ignore[arg-type]
+    WindowedGrid(large, window=2, budget_bytes=64 * 1024).send_and_receive(carrying(64, 20), timeout=10)  # type: ignore[arg-type]
+    assert small.most_in_flight == 20, "twenty 1 KiB messages fit in 64 KiB: one push"
+    assert large.most_in_flight == 2, "a 64 KiB message fills the budget alone: the window stays at its floor"

@@ -28,7 +28,6 @@ from flwr.proto.node_pb2 import NodeInfo  # pylint: disable=E0611
 from flwr.serverapp import Grid
 from flwr.supercore.run import Run
 
-from ondevice_moe.federation.transport import record_bytes
 from ondevice_moe.recipe import FederationSection
 
 PULL_SECONDS = 0.1  # the longest wait between empty pulls, as Flower's InMemoryGrid
@@ -52,8 +51,9 @@ class WindowedGrid(Grid):
     """``grid`` with ``send_and_receive`` keeping at most ``window`` messages in flight.
 
     With ``budget_bytes``, the window of an exchange grows to as many messages as fit in that
-    many bytes of tensors, judged by its first message (a round's messages carry the same
-    tensors), and never shrinks below ``window``. The messages are taken from their iterable one
+    many bytes of serialised arrays (what the server holds; SecAgg+'s arrays carry no dtype to
+    count tensors by), judged by its first message (a round's messages carry the same tensors),
+    and never shrinks below ``window``. The messages are taken from their iterable one
     at a time, as the window frees up, so a lazy iterable of messages is built one message at a
     time too. ``timeout`` bounds the whole exchange, as in Flower: messages not sent by then are
     not sent, and count as unanswered. Everything else is the wrapped grid's.
@@ -92,7 +92,7 @@ class WindowedGrid(Grid):
         """The window of an exchange whose first message is ``first``."""
         if self.budget_bytes is None:
             return self.window
-        size = sum(record_bytes(record) for record in first.content.array_records.values())
+        size = sum(len(array.data) for record in first.content.array_records.values() for array in record.values())
         return max(self.window, self.budget_bytes // max(size, 1))
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
