@@ -1,6 +1,6 @@
 """Where a run's time goes: the top frames of a ``py-spy`` profile, by inclusive wall time.
 
-Record a run with every thread's waits included (``--idle``), then read it:
+Record a run with every thread's waits included (``--idle``; ``pip install py-spy`` first), then read it:
 
     py-spy record --idle -r 50 -f raw -o profile.txt -- \\
         ondevice-moe finetune recipes/flow-digits.yaml --set 'methods=[{name: fed-ft, label: fedavg}]' \\
