@@ -308,8 +308,10 @@ def _simulate_all(jobs: list[Job], announce: Callable[[Job], None],
     """Run ``jobs`` in Flower's simulation, one after another in one simulation (Ray, its workers and
     what they load start once). Should the simulation itself end early, the method it was running
     gets an ``error`` record and the methods it never started run in a new one."""
-    log = MetricsLog(jobs[0].run_dir / "metrics.jsonl") if jobs else None
-    while jobs and log is not None:
+    if not jobs:
+        return
+    log = MetricsLog(jobs[0].run_dir / "metrics.jsonl")
+    while jobs:
         problem = "the simulation ended before this method did"
         try:
             _simulate(jobs, announce, on_round)

@@ -79,10 +79,6 @@ class Job:
         path.write_text(json.dumps(payload), encoding="utf-8")
         return path
 
-    @classmethod
-    def from_file(cls, path: str | Path) -> Job:
-        return jobs_from_file(path)[0]
-
     def for_method(self, method_index: int) -> Job:
         """The same run's job for another of the recipe's methods."""
         if method_index == self.method_index:
