@@ -57,11 +57,17 @@ def load_summaries(runs: list[Path]) -> list[dict]:
         parts = [_read_summary(Path(part)) for part in str(run).split("+")]
         joined = {**parts[0], "methods": {}}
         for part in parts:
+            if part.get("eval_split", "test") != parts[0].get("eval_split", "test"):
+                raise SystemExit(f"error: the run folders in {run} were scored on different splits; fix: join "
+                                 "only folders of one split")
             if part["users"] != parts[0]["users"]:
                 raise SystemExit(f"error: the run folders in {run} have different users; fix: join only "
                                  "folders of one recipe and seed")
             joined["methods"].update({m: v for m, v in part["methods"].items() if m not in joined["methods"]})
         summaries.append(joined)
+    if len({summary.get("eval_split", "test") for summary in summaries}) > 1:
+        raise SystemExit("error: some runs were scored on the validation split and some on the test split "
+                         "(summary.json's eval_split); fix: table runs of one split")
     return summaries
 
 
@@ -229,6 +235,8 @@ def main(argv: list[str]) -> None:
     options.add_argument("--against", metavar="METHOD", help="add the paired comparison against METHOD")
     args = options.parse_args(argv)
     summaries = load_summaries(args.runs)
+    if summaries[0].get("eval_split") == "valid":
+        print("VALIDATION split (data.eval_split: valid): these are not test figures\n")
     print(seed_table(summaries))
     if any("centres" in m for m in summaries[0]["methods"].values()):
         print()

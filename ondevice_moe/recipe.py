@@ -127,7 +127,15 @@ class DataSection(_Section):
     """The users' domains and how their text is cut. Each user is one device, unless ``clients``
     deals ``clients`` devices over the users' domains in turn: device ``k`` holds domain
     ``users[k mod D]`` (D users), drawn with its own seed so devices sharing a domain hold different
-    samples of it, and is named ``<user>-<k // D>``."""
+    samples of it, and is named ``<user>-<k // D>``.
+
+    ``eval_split``: the split the users' perplexities are scored on, ``test`` (the default) or
+    ``valid``, each user's validation split (``data.valid_tokens``), for choosing a learning rate or
+    another setting without looking at the test split (``eval/lr_sweep.py``). The report's title and
+    ``summary.json``'s ``eval_split`` say which split was scored. A method that learns on the
+    validation split (CoMiGS's routers, FDLoRA's fusion weight, FedSoft with ``importance_split:
+    valid``) is then scored on blocks it has seen. FedSoft's and IFCA's centre-by-source table stays on
+    each source's own test blocks."""
 
     users: list[UserSection] = Field(min_length=1)
     clients: int | None = Field(None, ge=1)
@@ -139,6 +147,7 @@ class DataSection(_Section):
     test_tokens: int = Field(200_000, ge=1)
     max_eval_blocks: int | None = Field(None, ge=1)
     router_validation: Literal["own", "union"] = "own"
+    eval_split: Literal["test", "valid"] = "test"
 
     @property
     def brought_by_devices(self) -> bool:

@@ -120,8 +120,8 @@ MIXTURE_SUFFIX = "_mixture"
 ERROR_KEYS = {"test_nll_se_in": "nll_se_in", "test_nll_se_out": "nll_se_out"}
 
 
-def summarize(records: list[dict[str, Any]], methods: list[str], users: list[str], metric: str = "perplexity"
-              ) -> dict[str, Any]:
+def summarize(records: list[dict[str, Any]], methods: list[str], users: list[str], metric: str = "perplexity",
+              eval_split: str = "test") -> dict[str, Any]:
     """Final per-user values and their mean (std) over users, for each method that finished.
 
     Language modelling: ``in`` / ``out`` test perplexity; other tasks: the
@@ -131,8 +131,10 @@ def summarize(records: list[dict[str, Any]], methods: list[str], users: list[str
     each round's clip norm, noise, clipped updates and largest pre-clip norm (recipe ``privacy``).
     ``round_overhead`` (beside ``methods``: timings differ between runs that agree on every result):
     per method, each round's wall time, slowest client, busiest worker and overhead.
+    ``eval_split``: the split the language-modelling values were scored on (``data.eval_split``):
+    ``test``, or ``valid`` for a run that chooses a setting (the values then are not test figures).
     """
-    summary: dict[str, Any] = {"users": users, "metric": metric, "methods": {}}
+    summary: dict[str, Any] = {"users": users, "metric": metric, "eval_split": eval_split, "methods": {}}
     for method in methods:
         evals = [r for r in records if r["method"] == method and r["kind"] == "eval"]
         if not evals:
@@ -243,6 +245,9 @@ def format_bytes(count: float) -> str:
 def score_title(summary: dict[str, Any]) -> str:
     """What the table's numbers are, and which way is better."""
     metric = summary.get("metric", "perplexity")
+    if metric == "perplexity" and summary.get("eval_split") == "valid":
+        return ("VALIDATION perplexity (data.eval_split: valid), not test perplexity, after the last round "
+                "(lower is better)")
     if metric == "perplexity":
         return "Test perplexity after the last round (lower is better)"
     if metric in LOWER_IS_BETTER:
@@ -256,8 +261,9 @@ def write_report(run_dir: Path, recipe_name: str, summary: dict[str, Any], plots
     dropped updates), the results table, the method-specific sections and the plots."""
     (run_dir / "summary.json").write_text(json.dumps(finite_json(summary), indent=2, allow_nan=False),
                                           encoding="utf-8")
-    where = ("Per-user columns are in distribution (each user's own test split); out of distribution is the "
-             "union of all users' test splits. Mean (std) over users."
+    split = "validation" if summary.get("eval_split") == "valid" else "test"
+    where = (f"Per-user columns are in distribution (each user's own {split} split); out of distribution is the "
+             f"union of all users' {split} splits. Mean (std) over users."
              if summary.get("metric", "perplexity") == "perplexity" else
              "Each client on its own test split; mean (std) over clients.")
     if any("mean_in" in m and "mean_out" not in m for m in summary["methods"].values()):

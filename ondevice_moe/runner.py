@@ -206,7 +206,7 @@ def finish_report(recipe: Recipe, run_dir: Path) -> RunResult:
                if method.name in finished]  # a method that failed under `flwr run` reports its error instead
     records = log.read()
     names = [m.name for m in methods]
-    summary = summarize(records, names, recipe.user_names, recipe.metric)
+    summary = summarize(records, names, recipe.user_names, recipe.metric, eval_split(recipe))
     failed = {r["method"]: r["message"] for r in records if r.get("kind") == "error" and r["method"] not in finished}
     plots = [p for p in (plot_rounds(records, names, run_dir / "plots" / "rounds.png"),
                          plot_communication(records, names, run_dir / "plots" / "communication.png")) if p]
@@ -219,6 +219,11 @@ def finish_report(recipe: Recipe, run_dir: Path) -> RunResult:
     facts = run_facts(recipe, summary) + [f"did not finish: {name} ({message})" for name, message in failed.items()]
     report = write_report(run_dir, recipe.name, summary, plots, facts)
     return RunResult(run_dir, summary, report)
+
+
+def eval_split(recipe: Recipe) -> str:
+    """The split a language model's perplexities are scored on (``data.eval_split``); tasks score on test."""
+    return recipe.data.eval_split if recipe.data is not None else "test"
 
 
 def run_facts(recipe: Recipe, summary: dict[str, Any]) -> list[str]:
@@ -264,7 +269,8 @@ def evaluate_run(run_dir: Path, suite: str | None = None, device: str | None = N
                 values = user_values(metrics, user_index)
                 if values:
                     records.append({"method": job.method.name, "round": 0, "kind": "eval", "user": user, **values})
-    return summarize(records, [job.method.name for job in jobs], recipe.user_names, recipe.metric)
+    return summarize(records, [job.method.name for job in jobs], recipe.user_names, recipe.metric,
+                     eval_split(recipe))
 
 
 def finished_jobs(run_dir: Path, device: str | None = None) -> tuple[Recipe, list[Job]]:

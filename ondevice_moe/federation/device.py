@@ -185,9 +185,11 @@ def router_blocks(job: Job, device: int) -> torch.Tensor:
 
 
 def eval_blocks(job: Job, user: int) -> torch.Tensor:
-    test = user_data(job, user).test
+    """The blocks a user's perplexities are scored on: its ``data.eval_split`` (the test split,
+    or the validation split for choosing a learning rate), cut to ``data.max_eval_blocks``."""
+    blocks = user_data(job, user).split(job.recipe.data.eval_split)
     cap = job.recipe.data.max_eval_blocks
-    return test if cap is None else test[:cap]
+    return blocks if cap is None else blocks[:cap]
 
 
 def build_model(job: Job, device: int, base: nn.Module | None = None, seed: int | None = None) -> nn.Module:
