@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ondevice_moe.errors import UserError
 from ondevice_moe.experts.bias import BiasAdaptor
 from ondevice_moe.experts.conv_lora import ConvForm, ConvLoRA, relative_rank
 from ondevice_moe.experts.lora import LoRA, add_gated, is_gpt2_conv1d, linear_features
@@ -28,7 +29,9 @@ class AdaptorKinds:
     (a ConvLoRA form, or ``None``) on Conv2d layers, ``bias`` on every layer with a bias,
     ``norm`` on normalisation layers; ``budget`` is the relative parameter budget ρ per
     adaptor that sets each low-rank adaptor's rank; ``head_rank``, when set, is the rank of
-    the LoRA on a Hugging Face model's task-head layers instead."""
+    the LoRA on a Hugging Face model's task-head layers instead; ``rank_multiple`` multiplies the
+    rank ρ gives each linear layer's LoRA (one adaptor holding the parameters of several);
+    ``lora_scale``: γ of each linear layer's LoRA residual ``γ·BA x`` (1: FLoRAL's unscaled ``UVᵀ``)."""
 
     budget: float = 0.01
     lora: bool = True
@@ -37,6 +40,8 @@ class AdaptorKinds:
     norm: bool = False
     min_rank: int = 1
     head_rank: int | None = None
+    rank_multiple: int = 1
+    lora_scale: float = 1.0
 
 
 class LayerAdaptor(nn.ModuleDict):
@@ -66,10 +71,15 @@ def layer_adaptor(layer: nn.Module, kinds: AdaptorKinds, generator: torch.Genera
     pieces: dict[str, nn.Module] = {}
     if (isinstance(layer, nn.Linear) or is_gpt2_conv1d(layer)) and kinds.lora:
         fan_in, fan_out = linear_features(layer)
-        rank = rank or relative_rank(kinds.budget, fan_in * fan_out, fan_in + fan_out, kinds.min_rank)
-        # FLoRAL's adaptor is W + UVᵀ, unscaled: α = r with α/r scaling gives γ = 1.
-        pieces["lora"] = LoRA(fan_in, fan_out, rank, float(rank), generator, rank_stabilised=False)
+        rank = rank or kinds.rank_multiple * relative_rank(kinds.budget, fan_in * fan_out, fan_in + fan_out,
+                                                           kinds.min_rank)
+        # FLoRAL's adaptor is W + UVᵀ, unscaled: α = r with α/r scaling gives γ = 1 (α = γ·r in general).
+        pieces["lora"] = LoRA(fan_in, fan_out, rank, kinds.lora_scale * rank, generator, rank_stabilised=False)
     elif isinstance(layer, nn.Conv2d) and kinds.conv is not None:
+        if kinds.rank_multiple != 1 or kinds.lora_scale != 1.0:
+            raise UserError("rank_multiple and lora_scale size the LoRA of linear layers; this model has "
+                            "convolutions, whose ConvLoRA takes neither",
+                            "drop rank_multiple and lora_scale, or raise `budget` instead")
         pieces["lora"] = ConvLoRA(layer, kinds.budget, kinds.conv, generator, kinds.min_rank)
     elif is_norm(layer) and kinds.norm:
         pieces["norm"] = NormAdaptor(layer)

@@ -30,7 +30,7 @@ from ondevice_moe.methods.comigs.method import comigs
 from ondevice_moe.methods.fedsoft import method as fedsoft_methods
 from ondevice_moe.methods.fedsoft.config import FedSoftOptions
 from ondevice_moe.methods.floral import method as floral_methods
-from ondevice_moe.methods.floral.config import FLoRALOptions, LocalAdaptorOptions
+from ondevice_moe.methods.floral.config import FedAvgAdaptorOptions, FLoRALOptions, LocalAdaptorOptions
 from ondevice_moe.methods.flow import method as flow_methods
 from ondevice_moe.methods.flow.config import FlowOptions
 from ondevice_moe.methods.hermes import baselines as hermes_baselines
@@ -83,9 +83,11 @@ METHODS: dict[str, MethodSpec] = {
     "floral": MethodSpec(FLoRALOptions, floral_methods.floral, _ANY, "floral"),
     "ensemble": MethodSpec(FLoRALOptions, floral_methods.ensemble, _SMALL, "floral"),
     "local-adaptor": MethodSpec(LocalAdaptorOptions, floral_methods.local_adaptor, _ANY, "floral"),
+    "fedavg-adaptor": MethodSpec(FedAvgAdaptorOptions, floral_methods.fedavg_adaptor, _ANY, "floral"),
     "fedsoft": MethodSpec(FedSoftOptions, fedsoft_methods.fedsoft, _ANY, "fedsoft"),
     "ifca": MethodSpec(FedSoftOptions, fedsoft_methods.ifca, _ANY, "fedsoft"),
     "fedem": MethodSpec(FedSoftOptions, fedsoft_methods.fedem, _ANY, "fedsoft"),
+    "fedavg-cluster-adapter": MethodSpec(FedSoftOptions, fedsoft_methods.fedavg_cluster_adapter, _ANY, "fedsoft"),
     "flow": MethodSpec(FlowOptions, flow_methods.flow, _ANY, "flow"),
     "fedavgft": MethodSpec(FlowOptions, flow_methods.fedavg_ft, _ANY, "flow"),
     "ditto": MethodSpec(FlowOptions, flow_methods.ditto, _ANY, "flow"),

@@ -36,7 +36,13 @@ class FedSoftSizes(BaseModel):
     held-out validation blocks of the user's text (``data.valid_tokens``). On a few dozen blocks a
     centre averaged from a client's own model wins that client's training blocks by having seen
     them, whatever their domain; held-out blocks it has not seen go to the centre that fits their
-    domain. Language-modelling recipes only (the small tasks have no validation split)."""
+    domain. Language-modelling recipes only (the small tasks have no validation split).
+    ``lora_centres``: how the server folds cluster adapters into a centre (with ``lora_rank``).
+    ``factors``: ``A`` and ``B`` averaged apart by eq. (6), ``(Σ_k v_sk B_k)(Σ_k v_sk A_k)``, which
+    is not the average of the clients' models ``W_0 + B_k A_k`` when their ``A`` differ. ``product``:
+    eq. (6) on the models themselves, ``ΔW_s = Σ_k v_sk B_k A_k``, refactored to rank ``lora_rank``
+    by truncated SVD — exact when the clients' updates span at most ``r`` directions, otherwise the
+    nearest rank-``r`` update (Eckart–Young; :mod:`~ondevice_moe.methods.fedsoft.rule`)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -49,6 +55,7 @@ class FedSoftSizes(BaseModel):
     centre_spread: float = Field(0.02, ge=0)
     fedem_block_loss: Literal["sum", "mean"] = "sum"
     importance_split: Literal["train", "valid"] = "train"
+    lora_centres: Literal["factors", "product"] = "factors"
 
 
 class FedSoftOptions(FedSoftSizes, MethodOptions):

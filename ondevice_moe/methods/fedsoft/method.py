@@ -18,7 +18,10 @@
   S of them; the server averages each centre by example count. Its local model, as FedSoft §5
   scores it, is the centre of largest π. S times FedSoft's local work and upload, the cost FedSoft
   §2 names.
-* FedAvg is ``fed-ft`` (or ``fed-lora`` on a Hugging Face model).
+* FedAvg is ``fed-ft`` (or ``fed-lora`` on a Hugging Face model, on query and value);
+  ``fedavg-cluster-adapter`` is FedAvg of FedSoft's own model (the cluster adapter: a LoRA of
+  ``lora_rank`` on every attention projection, or the whole small model): the same targets and
+  trainable parameters as each FedSoft, IFCA or Local client's model.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from __future__ import annotations
 from typing import Literal
 
 from ondevice_moe.errors import UserError
+from ondevice_moe.federation.rules import ServerRule
 from ondevice_moe.layout import ExpertSizes, Layout
 from ondevice_moe.methods.base import CentreProcedure, Method, MethodContext, Procedure, Sharing, same_for_all
 from ondevice_moe.methods.fedsoft.config import FedSoftOptions
@@ -69,7 +73,7 @@ def fedsoft(options: FedSoftOptions, context: MethodContext) -> Method:
     return Method("fedsoft", same_for_all(context.num_users, layout),
                   procedure=Procedure(full_finetune=layout is None, centres=centres),
                   server_rule=CentreRule(clusters=clusters, selection_size=_selection(options, context),
-                                         seed=context.seed),
+                                         seed=context.seed, lora_centres=options.lora_centres),
                   sharing=Sharing(devices_keep_models=True))
 
 
@@ -85,7 +89,7 @@ def _unanchored(name: str, assignment: Literal["hard", "em"], options: FedSoftOp
                                                               block_loss=options.fedem_block_loss,
                                                               scored_on=scored_on)),
                   server_rule=CentreRule(clusters=_clusters(options, context), seed=context.seed,
-                                         every_centre=every_centre))
+                                         every_centre=every_centre, lora_centres=options.lora_centres))
 
 
 def ifca(options: FedSoftOptions, context: MethodContext) -> Method:
@@ -96,3 +100,11 @@ def ifca(options: FedSoftOptions, context: MethodContext) -> Method:
 def fedem(options: FedSoftOptions, context: MethodContext) -> Method:
     """FedEM: E-step responsibilities, every centre trained on its weighted loss, centres averaged by n_k."""
     return _unanchored("fedem", "em", options, context, every_centre=True)
+
+
+def fedavg_cluster_adapter(options: FedSoftOptions, context: MethodContext) -> Method:
+    """FedAvg of the model a FedSoft client trains (its cluster adapter, or the whole small model),
+    averaged by examples: FedSoft's targets and sizes without centres. Reads ``lora_rank`` only."""
+    layout = _layout(options)
+    return Method("fedavg-cluster-adapter", same_for_all(context.num_users, layout),
+                  procedure=Procedure(full_finetune=layout is None), server_rule=ServerRule(context.weighting))

@@ -24,11 +24,24 @@ printed ``Sel_s^t`` would make the weights depend on the selection they define; 
 authors' code normalises over all clients). Selection draws from a generator seeded
 by the recipe's seed, the aggregation count (kept in the ``rounds`` slot) and ``s``,
 so a run is reproducible. A centre no client contributes to keeps its value.
+
+Cluster adapters (``lora_centres``, a LoRA ``ΔW = B A`` per module). ``factors`` averages ``A``
+and ``B`` separately, ``c_s = (Σ_k v_sk B_k)(Σ_k v_sk A_k)``, which is not the average of the
+clients' models unless they share one ``A``. ``product`` applies eq. (6) to the model a LoRA
+*is*, ``W_0 + scale · B A``: the centre's update is ``ΔW_s = Σ_k v_sk B_k A_k`` (with selection,
+the plain mean over ``Sel_s``), refactored to the layout's rank ``r`` by truncated SVD
+(:func:`refactor_product`). The rank cap: ``ΔW_s`` has rank up to ``min(K r, d)`` (K clients);
+keeping its top ``r`` singular directions is the closest rank-``r`` model in Frobenius norm
+(Eckart–Young), exact when the clients' updates span at most ``r`` directions (e.g. one shared
+``A``). The factors are put in the gauge nearest the clients' mean ``A`` (``B A`` is unchanged by
+``B G⁻¹, G A``), so eq. (4)'s proximal term on ``A`` and ``B`` and an IFCA client that loads a
+centre see factors like the ones they trained.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import torch
@@ -62,15 +75,72 @@ def mean_model(models: list[dict[str, torch.Tensor]], weights: list[float]) -> d
             for name in models[0]}
 
 
+LORA_A, LORA_B = "lora_A", "lora_B"
+
+
+def lora_pairs(names) -> list[tuple[str, str]]:
+    """``(A name, B name)`` of every LoRA module among ``names`` (``….lora_A`` beside ``….lora_B``)."""
+    names = set(names)
+    return [(name, name.removesuffix(LORA_A) + LORA_B) for name in sorted(names)
+            if name.endswith(LORA_A) and name.removesuffix(LORA_A) + LORA_B in names]
+
+
+def refactor_product(ups: torch.Tensor, downs: torch.Tensor, reference: torch.Tensor,
+                     rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(B, A)`` of rank ``rank`` with ``B A`` the truncated SVD of ``ΔW = ups @ downs``.
+
+    ``ups`` is ``[v_1 B_1, …, v_K B_K]`` (``d_out × K r``) and ``downs`` ``[A_1; …; A_K]``
+    (``K r × d_in``), so ``ΔW = Σ_k v_k B_k A_k`` (eq. 6 on the LoRA's update) is never formed:
+    with ``ups = Q_u R_u`` and ``downsᵀ = Q_d R_d``, ``ΔW = Q_u (R_u R_dᵀ) Q_dᵀ`` and the SVD of the
+    ``K r × K r`` core gives ``ΔW``'s. Of the factorisations ``B = U_r S_r M⁻¹``, ``A = M V_rᵀ``
+    the one with ``A`` nearest ``reference`` (the clients' mean ``A``) is taken, ``M = reference
+    V_r``; where that ``M`` is ill-conditioned, the balanced ``B = U_r S_r^½``, ``A = S_r^½ V_rᵀ``."""
+    q_up, r_up = torch.linalg.qr(ups.double())
+    q_down, r_down = torch.linalg.qr(downs.double().T)
+    u_core, singular, vh_core = torch.linalg.svd(r_up @ r_down.T)
+    kept = min(rank, singular.numel())
+    u = q_up @ u_core[:, :kept]
+    v = q_down @ vh_core[:kept].T
+    s = singular[:kept]
+    gauge = reference.double() @ v
+    if kept == rank and s.min() > 0 and torch.linalg.cond(gauge) < 1e6:
+        up, down = (u * s) @ torch.linalg.inv(gauge), gauge @ v.T
+    else:
+        root = s.sqrt()
+        up, down = u * root, root[:, None] * v.T
+    if kept < rank:  # fewer directions than the rank (tiny modules): pad with zeros
+        up = torch.cat([up, up.new_zeros(up.shape[0], rank - kept)], dim=1)
+        down = torch.cat([down, down.new_zeros(rank - kept, down.shape[1])])
+    return up.float(), down.float()
+
+
+def product_mean(models: list[dict[str, torch.Tensor]], weights: list[float]) -> dict[str, torch.Tensor]:
+    """Eq. (6) on the models the LoRAs make: each LoRA's ``(B, A)`` becomes the rank-``r`` truncated
+    SVD of ``Σ_i weights[i] B_i A_i`` (:func:`refactor_product`); every other tensor ``Σ_i weights[i] ·
+    models[i]`` as :func:`mean_model`."""
+    pairs = lora_pairs(models[0])
+    in_pairs = {name for pair in pairs for name in pair}
+    mean = mean_model([{n: t for n, t in model.items() if n not in in_pairs} for model in models], weights)
+    for a_name, b_name in pairs:
+        ups = torch.cat([float(w) * model[b_name].double() for w, model in zip(weights, models, strict=True)], dim=1)
+        downs = torch.cat([model[a_name].double() for model in models])
+        reference = sum(float(w) * model[a_name].double() for w, model in zip(weights, models, strict=True))
+        mean[b_name], mean[a_name] = refactor_product(ups, downs, reference, models[0][a_name].shape[0])
+    return mean
+
+
 @dataclass(frozen=True)
 class CentreRule(ServerRule):
     """S cluster centres aggregated by eq. (6), with or without Alg. 1's client selection, or
-    (``every_centre``) FedEM's average of every client's copy of each centre by example count."""
+    (``every_centre``) FedEM's average of every client's copy of each centre by example count.
+    ``lora_centres``: how cluster adapters are averaged, ``factors`` (``A`` and ``B`` apart) or
+    ``product`` (eq. 6 on ``ΔW = B A``, refactored to rank ``r``; module docstring)."""
 
     clusters: int = 2
     selection_size: int | None = None
     seed: int = 0
     every_centre: bool = False
+    lora_centres: Literal["factors", "product"] = "factors"
 
     def initial_slots(self) -> Slots:
         return {cluster_slot(s): {} for s in range(self.clusters)}
@@ -105,7 +175,8 @@ class CentreRule(ServerRule):
             if not row.any():
                 continue
             models, coefficients = self._contributions(updates, row, done, centre)
-            fresh[cluster_slot(centre)] = mean_model(models, coefficients)
+            combine = product_mean if self.lora_centres == "product" else mean_model
+            fresh[cluster_slot(centre)] = combine(models, coefficients)
         fresh[ROUNDS] = {"count": torch.tensor([done + 1])}
         return fresh
 

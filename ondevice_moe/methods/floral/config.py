@@ -27,7 +27,11 @@ class FLoRALSizes(BaseModel):
     ``head_rank``: the rank of each adaptor's LoRA on a Hugging Face classifier's head
     (pooler and classifier) in place of ρ's. Not in the paper, whose models have no frozen
     head: at ρ = 1 % a 384 × 5 classifier gets rank 1, and a label permutation of 5 classes
-    needs rank 4 or more."""
+    needs rank 4 or more. ``rank_multiple``: each linear layer's LoRA at that multiple of ρ's rank
+    (``fedavg-adaptor`` with ``rank_multiple: C`` holds as many LoRA parameters as FLoRAL's C
+    adaptors); ``lora_scale``: γ of each LoRA residual ``γ·UVᵀx`` (the paper: 1). Under AdamW the
+    step moves the function by about γ·lr, so a C = 1 control at γ = 1/C takes the steps of one of
+    FLoRAL's C adaptors gated by π_c ≈ 1/C. Neither applies to ConvLoRA."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -40,6 +44,8 @@ class FLoRALSizes(BaseModel):
     train_base: bool = True
     router_lr: float | None = Field(None, gt=0)
     head_rank: int | None = Field(None, ge=1)
+    rank_multiple: int = Field(1, ge=1)
+    lora_scale: float = Field(1.0, gt=0)
 
 
 class FLoRALOptions(FLoRALSizes, MethodOptions):
@@ -54,3 +60,11 @@ class FLoRALOptions(FLoRALSizes, MethodOptions):
 
 class LocalAdaptorOptions(FLoRALSizes, MethodOptions):
     """Local Adaptor: one private adaptor per client on a shared base."""
+
+
+class FedAvgAdaptorOptions(FLoRALSizes, MethodOptions):
+    """FedAvg of one shared adaptor on every layer, FLoRAL's layout with C = 1 and no router: the
+    equal-parameter FedAvg beside FLoRAL (``rank_multiple: C``). ``preconditioning`` is off by
+    default (plain FedAvg; App. D is FLoRAL's); ``clusters`` and ``router_lr`` are not read."""
+
+    preconditioning: bool = False

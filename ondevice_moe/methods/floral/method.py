@@ -9,16 +9,18 @@
 * ``ensemble``: C whole models mixed the same way, ``Σ_c π_c f_c(x)``.
 * ``local-adaptor``: one private adaptor per client on the shared base (the
   authors' ``floral_locallora``: C = 1, adaptors private).
-* FedAvg is ``fed-ft`` (FedAvg of the whole model).
+* FedAvg is ``fed-ft`` (FedAvg of the whole model); ``fedavg-adaptor`` is FedAvg of one shared
+  adaptor on every layer (with ``rank_multiple: C``, FLoRAL's C adaptors' LoRA parameters in one).
 """
 
 from __future__ import annotations
 
 from ondevice_moe.errors import UserError
 from ondevice_moe.experts.layer import AdaptorKinds
+from ondevice_moe.federation.rules import ServerRule
 from ondevice_moe.layout import ExpertSpec, Layout, RouterSpec
-from ondevice_moe.methods.base import Method, MethodContext, Procedure
-from ondevice_moe.methods.floral.config import FLoRALOptions, FLoRALSizes, LocalAdaptorOptions
+from ondevice_moe.methods.base import Method, MethodContext, Procedure, same_for_all
+from ondevice_moe.methods.floral.config import FedAvgAdaptorOptions, FLoRALOptions, FLoRALSizes, LocalAdaptorOptions
 from ondevice_moe.methods.floral.rule import MixtureRule
 
 
@@ -32,7 +34,8 @@ def _clusters(options: FLoRALSizes, context: MethodContext) -> int:
 
 def _kinds(options: FLoRALSizes) -> AdaptorKinds:
     return AdaptorKinds(budget=options.budget, conv=None if options.conv_lora == "none" else options.conv_lora,
-                        bias=options.bias, norm=options.norm, head_rank=options.head_rank)
+                        bias=options.bias, norm=options.norm, head_rank=options.head_rank,
+                        rank_multiple=options.rank_multiple, lora_scale=options.lora_scale)
 
 
 def _routers(options: FLoRALOptions, context: MethodContext, clusters: int) -> list[RouterSpec]:
@@ -80,3 +83,13 @@ def local_adaptor(options: LocalAdaptorOptions, context: MethodContext) -> Metho
     procedure = Procedure(full_finetune=options.train_base, lora_preconditioning=options.preconditioning)
     return Method("local-adaptor", tuple(layout for _ in range(context.num_users)), procedure,
                   MixtureRule(context.weighting))
+
+
+def fedavg_adaptor(options: FedAvgAdaptorOptions, context: MethodContext) -> Method:
+    """FedAvg of one shared adaptor on every layer, averaged by examples: FLoRAL's targets and
+    adaptor form without the mixture (the equal-parameter baseline with ``rank_multiple: C``)."""
+    layout = Layout((ExpertSpec("layers", "shared"),), RouterSpec("none"), "every-layer",
+                    adaptor_kinds=_kinds(options))
+    procedure = Procedure(full_finetune=options.train_base, lora_preconditioning=options.preconditioning)
+    return Method("fedavg-adaptor", same_for_all(context.num_users, layout), procedure,
+                  ServerRule(context.weighting))
