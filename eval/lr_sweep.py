@@ -1,0 +1,177 @@
+"""Choose each method's learning rate on the validation split, never the test split; then test it.
+
+Usage: python eval/lr_sweep.py RECIPE --rates R [R ...] [--seed S] [--out FOLDER] [--set KEY=VALUE ...]
+                               [--select in|out] [--test-seeds S [S ...]] [--against METHOD] [--dry-run]
+
+Sweep: for every rate R, ``ondevice-moe finetune RECIPE --seed S --set data.eval_split=valid
+--set training.lr=R`` (and every ``--set``) into ``FOLDER/valid-lr<R>-s<S>``: every method of the
+recipe trains at R and is scored on each user's validation split (``data.valid_tokens``). A folder
+that already holds a ``summary.json`` is not run again, so an interrupted sweep goes on where it
+stopped. Then, per method, the mean over users of the validation perplexity in and out of
+distribution at every rate, and the best rate by ``--select`` (``in``, the default: each user's own
+domain). A best rate at an edge of the grid is flagged: widen the grid there.
+
+Test (``--test-seeds``): for every seed, each method at its own best rate, scored on the test split:
+one run per distinct best rate, holding the methods that chose it (``--set methods=[...]``), into
+``FOLDER/test-lr<R>-s<SEED>``; then ``eval/seed_table.py``'s table over the seeds (a seed's folders
+joined with ``+``) and, with ``--against METHOD``, the paired test against METHOD.
+
+Every run is one process after another (one ``ondevice-moe finetune`` at a time); each one's wall
+time is printed and kept in ``FOLDER/wall_times.json``. ``--dry-run`` prints the commands only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import seed_table
+
+from ondevice_moe.recipe import Recipe, load_recipe
+
+SELECT = {"in": "mean_in", "out": "mean_out"}
+
+
+def rate_name(rate: float) -> str:
+    """A rate as a folder name part: ``0.002`` → ``0.002``, ``5e-4`` → ``0.0005``."""
+    return f"{rate:g}"
+
+
+def run_folder(out: Path, split: str, rate: float, seed: int) -> Path:
+    return out / f"{split}-lr{rate_name(rate)}-s{seed}"
+
+
+def finetune_command(recipe: Path, folder: Path, rate: float, seed: int, split: str, overrides: list[str],
+                     methods: list[dict] | None = None) -> list[str]:
+    """The ``ondevice-moe finetune`` command of one run (``methods``: the recipe's entries to keep)."""
+    command = ["ondevice-moe", "finetune", str(recipe), "--seed", str(seed), "--output", str(folder)]
+    for override in [*overrides, f"data.eval_split={split}", f"training.lr={rate!r}"]:
+        command += ["--set", override]
+    if methods is not None:
+        command += ["--set", "methods=" + json.dumps(methods)]
+    return command
+
+
+def run(command: list[str], folder: Path, out: Path, dry_run: bool) -> None:
+    """Run ``command`` unless ``folder`` holds a finished run; print and keep its wall time."""
+    if (folder / "summary.json").is_file():
+        print(f"kept: {folder} (finished before)", flush=True)
+        return
+    print("$ " + shlex.join(command), flush=True)
+    if dry_run:
+        return
+    start = time.monotonic()
+    subprocess.run(command, check=True)
+    seconds = time.monotonic() - start
+    times_path = out / "wall_times.json"
+    times = json.loads(times_path.read_text(encoding="utf-8")) if times_path.is_file() else {}
+    times[folder.name] = round(seconds, 1)
+    times_path.write_text(json.dumps(times, indent=2), encoding="utf-8")
+    print(f"wall time {folder.name}: {seconds / 60:.1f} min", flush=True)
+
+
+def read_summary(folder: Path, split: str) -> dict:
+    """A finished run's summary, checked to be scored on ``split``."""
+    summary = json.loads((folder / "summary.json").read_text(encoding="utf-8"))
+    scored = summary.get("eval_split", "test")
+    if scored != split:
+        raise SystemExit(f"error: {folder} was scored on the {scored} split, not {split}; "
+                         "fix: remove the folder and run again")
+    return summary
+
+
+def sweep_table(summaries: dict[float, dict], select: str) -> tuple[str, dict[str, float]]:
+    """The validation table (a row per method, per rate ``in / out``) and each method's best rate."""
+    rates = sorted(summaries)
+    methods = [m for m in summaries[rates[0]]["methods"] if all(m in s["methods"] for s in summaries.values())]
+    key = SELECT[select]
+    header = ["method", *(f"lr {rate_name(r)}: valid ppl in / out" for r in rates), f"best lr (valid {select})"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    best: dict[str, float] = {}
+    for method in methods:
+        entries = {r: summaries[r]["methods"][method] for r in rates}
+        values = {r: e.get(key) for r, e in entries.items()}
+        finite = {r: v for r, v in values.items() if v is not None and math.isfinite(v)}
+        cells = [f"{_cell(e.get('mean_in'))} / {_cell(e.get('mean_out'))}" for e in entries.values()]
+        if finite:
+            best[method] = min(finite, key=finite.get)
+            edge = " (edge of the grid)" if len(rates) > 1 and best[method] in (rates[0], rates[-1]) else ""
+            cells.append(rate_name(best[method]) + edge)
+        else:
+            cells.append("diverged at every rate")
+        lines.append(f"| {method} | {' | '.join(cells)} |")
+    return "\n".join(lines), best
+
+
+def _cell(value: float | None) -> str:
+    return "diverged" if value is None or not math.isfinite(value) else f"{value:.2f}"
+
+
+def entries_by_method(recipe: Recipe) -> dict[str, dict]:
+    """Each method's recipe entry as written, by the method's name in the run (its label)."""
+    return {recipe.method(i).name: {"name": entry.name, **entry.raw_options()}
+            for i, entry in enumerate(recipe.methods)}
+
+
+def main(argv: list[str]) -> None:
+    options = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    options.add_argument("recipe", type=Path)
+    options.add_argument("--rates", type=float, nargs="+", required=True, help="learning rates to sweep")
+    options.add_argument("--seed", type=int, default=0, help="the sweep's seed (default 0)")
+    options.add_argument("--out", type=Path, help="folder of the runs (default runs/sweep-<recipe name>)")
+    options.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                         help="a recipe override for every run (as ondevice-moe finetune --set)")
+    options.add_argument("--select", choices=sorted(SELECT), default="in",
+                         help="the validation value a rate is chosen by (default in: each user's own domain)")
+    options.add_argument("--test-seeds", type=int, nargs="*", default=[],
+                         help="then run each method at its best rate on the test split for these seeds")
+    options.add_argument("--against", metavar="METHOD", help="paired test of the test runs against METHOD")
+    options.add_argument("--dry-run", action="store_true", help="print the commands; run nothing")
+    args = options.parse_args(argv)
+    if any(o.split("=", 1)[0] in ("data.eval_split", "training.lr") for o in args.overrides):
+        raise SystemExit("error: --set data.eval_split / training.lr are the sweep's own; fix: drop them")
+    recipe = load_recipe(args.recipe, args.overrides, args.seed)
+    out = args.out or Path("runs") / f"sweep-{recipe.name}"
+    out.mkdir(parents=True, exist_ok=True)
+    rates = sorted(set(args.rates))
+    for rate in rates:
+        run(finetune_command(args.recipe, run_folder(out, "valid", rate, args.seed), rate, args.seed, "valid",
+                             args.overrides), run_folder(out, "valid", rate, args.seed), out, args.dry_run)
+    if args.dry_run:
+        return
+    summaries = {rate: read_summary(run_folder(out, "valid", rate, args.seed), "valid") for rate in rates}
+    table, best = sweep_table(summaries, args.select)
+    print(f"\nValidation perplexity (data.eval_split: valid), seed {args.seed}, mean over users; "
+          f"best rate by valid {args.select}:\n")
+    print(table)
+    print("\nbest rate per method on valid: " + ", ".join(f"{m} {rate_name(r)}" for m, r in best.items()))
+    (out / "best_rates.json").write_text(json.dumps(best, indent=2), encoding="utf-8")
+    if not args.test_seeds:
+        return
+    entries = entries_by_method(recipe)
+    chosen = {rate: [entries[m] for m in best if best[m] == rate] for rate in sorted(set(best.values()))}
+    joined = []
+    for seed in args.test_seeds:
+        folders = []
+        for rate, methods in chosen.items():
+            folder = run_folder(out, "test", rate, seed)
+            run(finetune_command(args.recipe, folder, rate, seed, "test", args.overrides, methods), folder, out,
+                False)
+            read_summary(folder, "test")
+            folders.append(folder)
+        joined.append(Path("+".join(str(f) for f in folders)))
+    print(f"\nTest perplexity, each method at its best validation rate, seeds {args.test_seeds}:")
+    print("runs: " + " ".join(str(j) for j in joined) + "\n")
+    seed_table.main([*map(str, joined), *(["--against", args.against] if args.against else [])])
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
