@@ -423,6 +423,7 @@ class TrainingSection(_Section):
     betas: tuple[float, float] = (0.9, 0.999)
     lr_schedule: Literal["one-cycle-cosine", "cosine", "constant"] = "one-cycle-cosine"
     optimizer: Literal["adamw", "sgd"] = "adamw"
+    momentum: float = Field(0.0, ge=0, lt=1)
 
     @field_validator("betas")
     @classmethod
@@ -430,6 +431,12 @@ class TrainingSection(_Section):
         if not all(0 <= beta < 1 for beta in betas):
             raise ValueError(f"AdamW betas must lie in [0, 1), got {list(betas)}")
         return betas
+
+    @model_validator(mode="after")
+    def _momentum_is_sgds(self) -> TrainingSection:
+        if self.momentum and self.optimizer != "sgd":
+            raise ValueError("momentum is SGD's (AdamW has betas): set optimizer: sgd, or drop momentum")
+        return self
 
 
 class MethodEntry(BaseModel):

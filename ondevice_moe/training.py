@@ -38,7 +38,8 @@ class TrainingConfig:
     to lr/10, no warm-up); the bundled CoMiGS recipes use the code's settings.
     Hermes uses Adam at 2e-4 with weight decay 1e-4 and a constant rate (§5.1).
     FLoRAL's code trains with plain SGD (``optimizer="sgd"``: no momentum) and no
-    clipping (``grad_clip=None``)."""
+    clipping (``grad_clip=None``); Flow's code (``trainers/client_flow.py``) with SGD at
+    ``momentum=0.9``, fresh each round."""
 
     lr: float = 2e-3
     router_lr: float = 2e-3
@@ -54,6 +55,7 @@ class TrainingConfig:
     betas: tuple[float, float] = (0.9, 0.999)
     lr_schedule: Literal["one-cycle-cosine", "cosine", "constant"] = "one-cycle-cosine"
     optimizer: Literal["adamw", "sgd"] = "adamw"
+    momentum: float = 0.0
 
 
 Batch = dict[str, torch.Tensor]
@@ -110,7 +112,7 @@ class DeviceTrainer:
 
     def _optimizer(self, params: list, lr: float, weight_decay: float) -> torch.optim.Optimizer:
         if self.config.optimizer == "sgd":
-            return torch.optim.SGD(params, lr=lr, weight_decay=weight_decay)
+            return torch.optim.SGD(params, lr=lr, momentum=self.config.momentum, weight_decay=weight_decay)
         return torch.optim.AdamW(params, lr=lr, betas=self.config.betas, weight_decay=weight_decay)
 
     def _schedule(self) -> Callable[[int], float]:

@@ -14,9 +14,10 @@ from ondevice_moe.errors import UserError
 from ondevice_moe.experts.layer_copy import RoutedLayer, routed_layers
 from ondevice_moe.federation import device as dev
 from ondevice_moe.federation.device_state import private_tensors
+from ondevice_moe.federation.evaluation import evaluate_device
 from ondevice_moe.federation.job import Job
 from ondevice_moe.layout import ExpertSpec, Layout, RouterSpec, attach_layout
-from ondevice_moe.methods.flow.procedure import flow_round, split_halves
+from ondevice_moe.methods.flow.procedure import flow_round, round_key, split_halves, training_rows
 from ondevice_moe.models.small import small_model
 from ondevice_moe.recipe import load_recipe, validate_recipe
 from ondevice_moe.routing.instance_policy import InstancePolicyRouter, instance_policy, policy_regulariser
@@ -163,10 +164,12 @@ def _global_after_one_round(raw: dict) -> dict[str, torch.Tensor]:
 
 def test_the_codes_global_step_trains_the_global_path_alone_as_fedavgft_does():
     """``global_step: global-path`` (the authors' code) makes the global layers' round independent
-    of ψ and the local copies, so they end as FedAvgFT's; eq. 5's ``CE(w_p)`` does not."""
+    of ψ and the local copies, so they end as FedAvgFT's on Flow's budget (ζ_g); eq. 5's
+    ``CE(w_p)`` does not."""
     raw = yaml.safe_load(TINY_FLOW.read_text())
     rounds = {}
-    for name, options in (("fedavgft", {}), ("code", {"global_step": "global-path"}), ("paper", {})):
+    for name, options in (("fedavgft", {"baseline_budget": "flow"}), ("code", {"global_step": "global-path"}),
+                          ("paper", {})):
         raw["methods"] = [{"name": "fedavgft" if name == "fedavgft" else "flow", **options}]
         rounds[name] = _global_after_one_round(raw)
     for key, tensor in rounds["fedavgft"].items():
@@ -233,3 +236,83 @@ def test_apfl_interpolates_global_and_personal_copies_with_a_private_learned_alp
     assert tensors and not any("private" in n or n.startswith("router.") for n in tensors)
     assert "router.alpha_logit" in dev.trainable_state(model)
     assert job.method.role_of("router.alpha_logit").value == "private"
+
+
+def _trainer(overrides: list[str]) -> tuple[Job, object, object]:
+    job = Job(load_recipe(TINY_FLOW, overrides), 0, Path("."))
+    return job, dev.restore_trainer(job, 0, None, RecordDict()), dev.federated_task(job).train[0]
+
+
+@pytest.mark.parametrize("split, fresh", [("per-round", True), ("fixed", False)])
+def test_each_round_splits_the_examples_afresh_unless_the_split_is_fixed(split, fresh):
+    """Alg. 1 line 6 draws ζ_ℓ, ζ_g inside the round loop (``per-round``); the authors' code
+    shards the same way every round (``fixed``)."""
+    job, trainer, examples = _trainer([f"flow.zeta_split={split}"])
+    procedure = job.method.procedure.flow
+    halves = []
+    for _ in range(2):
+        halves.append(training_rows(procedure, len(examples), round_key(procedure, trainer, seed=0)))
+        flow_round(trainer, examples, job.recipe.task.batch_size, seed=0)
+    assert torch.equal(halves[0][0], halves[1][0]) is not fresh
+    assert set(halves[1][0].tolist()).isdisjoint(halves[1][1].tolist())
+
+
+@pytest.mark.parametrize("method", ["fedavgft", "ditto", "apfl"])
+def test_a_baseline_on_its_papers_budget_trains_both_models_on_every_example_and_on_flows_on_the_halves(method):
+    """FedAvgFT as its paper defines it: FedAvg and the fine-tuning each on every example, as
+    Ditto's and APFL's two models; ``baseline_budget: flow`` gives them Flow's data per round,
+    the global layers on ζ_g and the personal model on ζ_ℓ, and the server weighs |ζ_g|."""
+    steps, weights = {}, {}
+    for budget in ("paper", "flow"):
+        job, trainer, examples = _trainer([f"methods=[{method}]", f"flow.baseline_budget={budget}"])
+        _, weights[budget] = flow_round(trainer, examples, job.recipe.task.batch_size, seed=0)
+        steps[budget] = trainer.iteration
+    count, batch = len(examples), 16
+    per_epoch = -(-count // batch)
+    epochs = 4  # two epochs of each model (APFL: two epochs of a step of each per batch)
+    assert weights == {"paper": count, "flow": count - count // 2} or weights["flow"] == count // 2
+    assert steps["paper"] == epochs * per_epoch
+    halves = -(-(count // 2) // batch) + -(-(count - count // 2) // batch)
+    assert steps["flow"] == epochs // 2 * halves
+
+
+def test_an_adapted_test_fine_tunes_the_local_copies_and_psi_from_the_received_model_and_repeats():
+    """``evaluation: adapted`` (the authors' ``*_generalized_test``): the device tests a copy whose
+    local copies restart from the received global layers and train on ζ_ℓ, whose ψ adapts on ζ_g,
+    and whose global layers stay, so Acc_g is the received model's; the same copy every time,
+    so ``ondevice-moe eval`` repeats it; the model itself is untouched."""
+    job, trainer, examples = _trainer(["flow.evaluation=adapted"])
+    flow_round(trainer, examples, job.recipe.task.batch_size, seed=0)
+    model = trainer.model
+    before = {n: t.clone() for n, t in model.state_dict().items()}
+    adapted = dev.adapted_for_test(job, 0, model)
+    again = dev.adapted_for_test(job, 0, model)
+    assert adapted is not model
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, before[name]), f"{name} of the device's own model moved"
+        assert torch.equal(adapted.state_dict()[name], again.state_dict()[name])
+        if name.startswith("net.") and ".base." in name:
+            assert torch.equal(adapted.state_dict()[name], tensor), "the global layers do not move"
+    router = instance_policy(adapted)
+    for global_copy, local_copy in router.pairs:
+        assert not torch.equal(global_copy.weight, local_copy.weight), "w_ℓ fine-tuned from w_g"
+    psi = [n for n in before if n.startswith("router.")]
+    assert psi and any(not torch.equal(adapted.state_dict()[n], before[n]) for n in psi), "ψ adapts"
+    scores = evaluate_device(job, 0, model)
+    assert scores["user_0/score_global"] == pytest.approx(evaluate_device(
+        Job(load_recipe(TINY_FLOW), 0, Path(".")), 0, model)["user_0/score_global"])
+    as_trained = Job(load_recipe(TINY_FLOW), 0, Path("."))
+    ditto = Job(load_recipe(TINY_FLOW, ["methods=[ditto]", "flow.evaluation=adapted"]), 0, Path("."))
+    assert dev.adapted_for_test(as_trained, 0, model) is model
+    assert dev.adapted_for_test(ditto, 0, model) is model, "Ditto's personal model is tested as trained"
+
+
+def test_sgd_takes_the_recipes_momentum_which_adamw_refuses():
+    """The authors' Flow code trains with SGD at momentum 0.9 (``training.momentum``)."""
+    _, trainer, _ = _trainer(["training.momentum=0.9"])
+    assert trainer.expert_optimizer.param_groups[0]["momentum"] == 0.9
+    assert trainer.router_optimizer.param_groups[0]["momentum"] == 0.9
+    _, plain, _ = _trainer([])
+    assert plain.expert_optimizer.param_groups[0]["momentum"] == 0
+    with pytest.raises(UserError, match="momentum"):
+        load_recipe(TINY_FLOW, ["training.optimizer=adamw", "training.momentum=0.9"])

@@ -112,7 +112,7 @@ def train(msg: Message, context: Context) -> Message:
         if procedure.centres is not None else {}
     privacy = job.recipe.privacy
     start = dev.travelling_state(job, trainer) if privacy.enabled else {}
-    seed = job.recipe.seed * 1000 + device
+    seed = dev.device_seed(job, device)
     # Dropout draws from the global generator: seed it per device and round so a
     # run gives the same numbers whichever worker process serves the device.
     seed_dropout(zlib.crc32(f"{seed}:{server_round}".encode()))

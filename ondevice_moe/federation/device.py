@@ -39,7 +39,7 @@ from ondevice_moe.methods.fedsoft.centres import (
     responsibilities,
     split_centres,
 )
-from ondevice_moe.methods.flow.procedure import flow_round
+from ondevice_moe.methods.flow.procedure import adapt_for_test, adapts_before_test, flow_round
 from ondevice_moe.models import LoadedModel, load_base_model
 from ondevice_moe.models.checkpointing import enable_activation_checkpointing
 from ondevice_moe.names import folder_name
@@ -623,11 +623,10 @@ def run_local_procedure(job: Job, device: int, trainer: DeviceTrainer, seed: int
 
 
 def _train_language_model(job: Job, device: int, trainer: DeviceTrainer, seed: int) -> tuple[dict, int]:
-    # The centralized upper bound sees every user's batch at once (CoMiGS: 64 × 4).
-    batch = job.recipe.data.batch_size * len(users_of_device(job, device))
-    train_blocks = device_split(job, device, "train")
     if job.method.procedure.flow is not None:  # Flow, FedAvgFT: epochs over the halves of the blocks
-        return flow_round(trainer, BlockExamples(train_blocks), batch, seed)
+        return flow_round(trainer, *flow_examples(job, device), seed)
+    batch = _language_model_batch(job, device)
+    train_blocks = device_split(job, device, "train")
     router_split = job.method.procedure.router_data
     metrics = trainer.train_iterations(
         job.recipe.federation.local_iterations,
@@ -638,13 +637,46 @@ def _train_language_model(job: Job, device: int, trainer: DeviceTrainer, seed: i
 
 
 def _train_classifier(job: Job, device: int, trainer: DeviceTrainer, seed: int) -> tuple[dict, int]:
-    examples = federated_task(job).train[device]
     if job.method.procedure.flow is not None:
-        return flow_round(trainer, examples, job.recipe.task.batch_size, seed)
+        return flow_round(trainer, *flow_examples(job, device), seed)
+    examples = federated_task(job).train[device]
     sampler, per_epoch = epoch_sampler(examples, job.recipe.task.batch_size, seed)
     # The trainer's iteration count runs on across rounds, and so do the epochs.
     metrics = trainer.train_iterations(_local_steps(job, per_epoch), sampler, sampler)
     return metrics, len(examples)
+
+
+def _language_model_batch(job: Job, device: int) -> int:
+    """A language model's training batch: the centralized upper bound sees every user's batch at
+    once (CoMiGS: 64 × 4)."""
+    return job.recipe.data.batch_size * len(users_of_device(job, device))
+
+
+def flow_examples(job: Job, device: int) -> tuple[object, int]:
+    """The training examples a round of Flow, FedAvgFT, Ditto or APFL runs over (a language
+    model's blocks, a classifier's examples), and its batch size."""
+    if job.recipe.is_language_modelling:
+        return BlockExamples(device_split(job, device, "train")), _language_model_batch(job, device)
+    return federated_task(job).train[device], job.recipe.task.batch_size
+
+
+def adapted_for_test(job: Job, device: int, model: nn.Module) -> nn.Module:
+    """The model a Flow-family device is tested with: with ``evaluation: adapted``, a copy of
+    ``model`` adapted on the device's training data (:func:`~ondevice_moe.methods.flow.procedure.adapt_for_test`,
+    seeded by the device, so ``ondevice-moe eval`` repeats it); else ``model`` itself."""
+    if not adapts_before_test(job.method.procedure.flow):
+        return model
+    twin = build_model(job, device)  # its own router: the routed layers read their gates from it
+    twin.load_state_dict(model.state_dict())
+    trainer = DeviceTrainer(twin, job.method, job.training)
+    adapt_for_test(trainer, *flow_examples(job, device), device_seed(job, device))
+    trainer.model.eval()
+    return trainer.model
+
+
+def device_seed(job: Job, device: int) -> int:
+    """The seed of a device's training draws (batches, Flow's halves)."""
+    return job.recipe.seed * 1000 + device
 
 
 def _local_steps(job: Job, per_epoch: int) -> int:

@@ -51,7 +51,8 @@ def union_test_nll(job: Job, model: nn.Module) -> tuple[torch.Tensor, list[int],
 def _language_model(job: Job, device: int, model: nn.Module) -> dict[str, float]:
     flow = job.method.procedure.flow
     if flow is not None:  # Flow, FedAvgFT: the personalised and the global model (eq. 6-7 in perplexity)
-        return on_both_paths(model, flow, lambda: _perplexities(job, device, model))
+        tested = dev.adapted_for_test(job, device, model)
+        return on_both_paths(tested, flow, lambda: _perplexities(job, device, tested))
     return _perplexities(job, device, model)
 
 
@@ -100,7 +101,8 @@ def _classifier(job: Job, device: int, model: nn.Module) -> dict[str, float]:
     task = federated.task
     flow = job.method.procedure.flow
     if flow is not None:  # Flow, FedAvgFT: Acc_p, Acc_g and the per-instance breakdown (eq. 6–7)
-        scores = flow_scores(model, flow, examples, job.recipe.task.eval_batch_size)
+        scores = flow_scores(dev.adapted_for_test(job, device, model), flow, examples,
+                             job.recipe.task.eval_batch_size)
         return {"num-examples": len(examples), **{f"user_{device}/{k}": v for k, v in scores.items()}}
     predictions = predict(model, examples, job.recipe.task.eval_batch_size, task.is_regression)
     score = task_score(task.metric, predictions.numpy(), examples.labels.numpy())

@@ -93,7 +93,7 @@ class CentreProcedure:
 class FlowProcedure:
     """Flow's round (Alg. 1, :mod:`ondevice_moe.methods.flow`): the local copies restart from the
     global layers, the device's training examples are split in two disjoint halves ζ_ℓ / ζ_g
-    (``local_fraction`` of them in ζ_ℓ, seeded by the round); ``local_epochs`` (K₁) epochs train
+    (``local_fraction`` of them in ζ_ℓ); ``local_epochs`` (K₁) epochs train
     the local copies on ζ_ℓ (eq. 1); ``global_epochs`` (K₂) epochs on ζ_g alternate, batch by
     batch, a policy step with the regulariser weight ``gamma`` (γ, eq. 4) and a global step
     (eq. 5). ``policy``: ``learned`` (Flow), ``fixed-paths`` (FedAvgFT: the global layers
@@ -106,7 +106,15 @@ class FlowProcedure:
     and the private α on the loss of ``(1 − α)·w_g + α·w_ℓ``; the personal model is that
     interpolation). ``global_step``: the global
     step's loss, ``CE(w_p)`` (``personalised``, eq. 5) or ``CE(w_g)`` on the global path alone
-    (``global-path``, the authors' ``trainers/client_flow.py``)."""
+    (``global-path``, the authors' ``trainers/client_flow.py``). ``zeta_split``: ``per-round``
+    draws the halves and the batch order afresh each round (Alg. 1 line 6 sits in the round
+    loop), ``fixed`` keeps them for every round (the authors' code shards the same way).
+    ``evaluation``: ``as-trained`` scores the model the rounds left; ``adapted`` first restarts
+    the local copies from the received global layers, fine-tunes them on ζ_ℓ and adapts ψ on
+    ζ_g, as the authors' ``*_generalized_test`` does. ``baseline_budget``: ``paper`` runs the
+    baselines as their papers define them (FedAvgFT: FedAvg and the fine-tuning on every example;
+    Ditto and APFL: every example through both models), ``flow`` on Flow's data per round (the
+    global layers on ζ_g, the personal model on ζ_ℓ)."""
 
     gamma: float = 0.01
     local_epochs: int = 1
@@ -115,6 +123,9 @@ class FlowProcedure:
     policy: Literal["learned", "fixed-paths", "ditto", "apfl"] = "learned"
     global_step: Literal["personalised", "global-path"] = "personalised"
     proximal_lambda: float = 0.0
+    zeta_split: Literal["per-round", "fixed"] = "per-round"
+    evaluation: Literal["as-trained", "adapted"] = "as-trained"
+    baseline_budget: Literal["paper", "flow"] = "paper"
 
 
 @dataclass(frozen=True)

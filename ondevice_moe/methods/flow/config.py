@@ -24,7 +24,10 @@ class FlowSizes(BaseModel):
     Ditto's λ (Li et al. 2021, eq. 2), the pull of the personal model to the global one;
     ``interpolation``: APFL's α at the start (Deng et al. 2020; learned from there); ``global_step``:
     ``personalised`` trains the global layers on ``CE(w_p)`` (eq. 5), ``global-path`` on the
-    global model's own loss, as the authors' code does (``trainers/client_flow.py``)."""
+    global model's own loss, as the authors' code does (``trainers/client_flow.py``);
+    ``zeta_split``, ``evaluation``, ``baseline_budget``: the paper's protocol or the authors' code's
+    (:class:`~ondevice_moe.methods.base.FlowProcedure`). The authors' code also trains with SGD at
+    momentum 0.9 (``training.momentum``)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -38,6 +41,9 @@ class FlowSizes(BaseModel):
     proximal_lambda: float = Field(0.1, ge=0)
     interpolation: float = Field(0.5, gt=0, lt=1)
     global_step: Literal["personalised", "global-path"] = "personalised"
+    zeta_split: Literal["per-round", "fixed"] = "per-round"
+    evaluation: Literal["as-trained", "adapted"] = "as-trained"
+    baseline_budget: Literal["paper", "flow"] = "paper"
 
 
 class FlowOptions(FlowSizes, MethodOptions):

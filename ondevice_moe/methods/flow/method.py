@@ -37,7 +37,8 @@ def _method(name: str, options: FlowOptions, context: MethodContext, policy: str
                     sizes=ExpertSizes(lora_rank=options.lora_rank, lora_alpha=options.lora_alpha,
                                       rank_stabilised=False))
     rounds = FlowProcedure(options.gamma, options.local_epochs, options.global_epochs, options.local_fraction,
-                           policy, options.global_step, options.proximal_lambda)
+                           policy, options.global_step, options.proximal_lambda, options.zeta_split,
+                           options.evaluation, options.baseline_budget)
     # The layout makes the routed copies trainable; a Hugging Face base stays frozen.
     # APFL's α sits with ψ and trains with the local copies; it is the device's own, and ψ (unused) stays home.
     routers = "bilevel" if policy == "learned" else "joint" if apfl else "none"

@@ -1,21 +1,25 @@
 """Flow's round on a device (Alg. 1 lines 5–12), over the trainer's optimisers.
 
-1. ``w_ℓ ← w_g`` (line 5) and the training examples split in disjoint halves ζ_ℓ, ζ_g (line 6);
+1. ``w_ℓ ← w_g`` (line 5) and the training examples split in disjoint halves ζ_ℓ, ζ_g (line 6),
+   afresh each round (``zeta_split: per-round``) or the same every round (``fixed``);
 2. K₁ epochs of the local copies alone on ζ_ℓ, every instance on the local path (eq. 1, line 7);
 3. K₂ epochs on ζ_g, each batch a policy step on ``CE(w_p) − (γ/L) Σ_j log q_0^(j)`` with the
    layers fixed (eq. 4, line 9), then a global step on ``CE(w_p)`` with ψ fixed (eq. 5, line 10;
    ``global_step="global-path"``: on the global path's own loss, as the authors' code does).
 
 FedAvgFT (``policy="fixed-paths"``) runs the same round with the global step on the global
-path and no policy step: FedAvg on ζ_g plus a fine-tuned local copy. Ditto
+path and no policy step: FedAvg plus a local copy fine-tuned from the received global model,
+both on every example (``baseline_budget: paper``) or on ζ_g and ζ_ℓ (``flow``). Ditto
 (``policy="ditto"``, :func:`ditto_round`) and APFL (``policy="apfl"``, :func:`apfl_round`) keep
-the local copies as a personal model of the device's own.
+the local copies as a personal model of the device's own. With ``evaluation: adapted`` a device
+first adapts the model it is tested with (:func:`adapt_for_test`), as the authors' code does.
 """
 
 from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass
+from itertools import zip_longest
 
 import torch
 
@@ -40,7 +44,7 @@ class ExampleRows:
         return self.examples.batch(self.rows[rows])
 
 
-def split_halves(count: int, local_fraction: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def split_halves(count: int, local_fraction: float, seed: int | str) -> tuple[torch.Tensor, torch.Tensor]:
     """Disjoint rows ``(ζ_ℓ, ζ_g)`` covering ``range(count)``, ``local_fraction`` of them in ζ_ℓ
     (Alg. 1 line 6), seeded; each half holds at least one row when ``count ≥ 2``."""
     order = torch.randperm(count, generator=torch.Generator().manual_seed(zlib.crc32(f"{seed}:flow-split".encode())))
@@ -48,7 +52,7 @@ def split_halves(count: int, local_fraction: float, seed: int) -> tuple[torch.Te
     return order[:cut], order[cut:]
 
 
-def epoch_batches(examples, batch_size: int, seed: int, epoch: int) -> list[Batch]:
+def epoch_batches(examples, batch_size: int, seed: int | str, epoch: int) -> list[Batch]:
     """One epoch of ``examples`` in seeded random batches."""
     generator = torch.Generator().manual_seed(zlib.crc32(f"{seed}:flow-epoch:{epoch}".encode()))
     order = torch.randperm(len(examples), generator=generator)
@@ -59,26 +63,41 @@ def _parameter_ids(modules) -> frozenset[int]:
     return frozenset(id(param) for module in modules for param in module.parameters())
 
 
+def round_key(procedure: FlowProcedure, trainer: DeviceTrainer, seed: int) -> int | str:
+    """The seed of a round's halves and batch order: the device's (``zeta_split: fixed``), or the
+    device's and the round's (``per-round``), the round told by the trainer's iteration count at
+    its start, which runs on across rounds and resumes with the device's state."""
+    return seed if procedure.zeta_split == "fixed" else f"{seed}:{trainer.iteration}"
+
+
+def training_rows(procedure: FlowProcedure, count: int, key: int | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows the personal model (the local copies) trains on and those the global layers train
+    on: the halves ζ_ℓ, ζ_g (Alg. 1 line 6), or, for a baseline on its paper's budget, every row
+    for both."""
+    if procedure.policy != "learned" and procedure.baseline_budget == "paper":
+        every = torch.arange(count)
+        return every, every
+    return split_halves(count, procedure.local_fraction, key)
+
+
 def flow_round(trainer: DeviceTrainer, examples, batch_size: int, seed: int) -> tuple[dict[str, float], int]:
     """One round of Flow (or FedAvgFT, Ditto, APFL) on ``examples``; returns the train metrics and
-    the weight of the device's upload: |ζ_g| (Alg. 1 line 12); Ditto's and APFL's every example."""
+    the weight of the device's upload: the examples the global layers trained on (|ζ_g|, Alg. 1
+    line 12)."""
     procedure: FlowProcedure = trainer.method.procedure.flow
+    key = round_key(procedure, trainer, seed)
     if procedure.policy in PERSONAL_MODEL_ROUNDS:
-        return PERSONAL_MODEL_ROUNDS[procedure.policy](trainer, examples, batch_size, seed)
+        return PERSONAL_MODEL_ROUNDS[procedure.policy](trainer, examples, batch_size, key)
     router = instance_policy(trainer.model)
-    restart_local_copies(router.pairs)
-    local_rows, global_rows = split_halves(len(examples), procedure.local_fraction, seed)
-    global_ids, local_ids = _copy_ids(router)
-    router.path = "local"
-    local_losses = [trainer.expert_step(batch, idle=global_ids)
-                    for epoch in range(procedure.local_epochs)
-                    for batch in epoch_batches(ExampleRows(examples, local_rows), batch_size, seed, epoch)]
+    local_rows, global_rows = training_rows(procedure, len(examples), key)
+    local_losses = _fine_tune_local_copies(trainer, ExampleRows(examples, local_rows), batch_size, key)
     learned = procedure.policy == "learned"
     global_path = "policy" if learned and procedure.global_step == "personalised" else "global"
+    _, local_ids = _copy_ids(router)
     policy_losses, global_losses = [], []
     global_half = ExampleRows(examples, global_rows)
     for epoch in range(procedure.global_epochs):
-        for batch in epoch_batches(global_half, batch_size, seed, procedure.local_epochs + epoch):
+        for batch in epoch_batches(global_half, batch_size, key, procedure.local_epochs + epoch):
             if learned:
                 router.path = "policy"
                 policy_losses.append(trainer.router_step(batch))
@@ -94,58 +113,107 @@ def flow_round(trainer: DeviceTrainer, examples, batch_size: int, seed: int) -> 
     return metrics, len(global_rows)
 
 
-def ditto_round(trainer: DeviceTrainer, examples, batch_size: int, seed: int) -> tuple[dict[str, float], int]:
+def _fine_tune_local_copies(trainer: DeviceTrainer, rows: ExampleRows, batch_size: int, key: int | str
+                            ) -> list[float]:
+    """``w_ℓ ← w_g``, then K₁ epochs of the local copies alone on ``rows``, every instance on the
+    local path (eq. 1, Alg. 1 lines 5 and 7); the losses of its steps."""
+    procedure: FlowProcedure = trainer.method.procedure.flow
+    router = instance_policy(trainer.model)
+    restart_local_copies(router.pairs)
+    global_ids, _ = _copy_ids(router)
+    router.path = "local"
+    try:
+        return [trainer.expert_step(batch, idle=global_ids)
+                for epoch in range(procedure.local_epochs)
+                for batch in epoch_batches(rows, batch_size, key, epoch)]
+    finally:
+        router.path = "policy"
+
+
+def adapts_before_test(procedure: FlowProcedure) -> bool:
+    """Whether a device adapts its model before it is tested (``evaluation: adapted``): Flow and
+    FedAvgFT, whose local copies restart from the global layers; Ditto's and APFL's personal
+    models are the device's own and are tested as trained."""
+    return procedure.evaluation == "adapted" and procedure.policy not in PERSONAL_MODEL_ROUNDS
+
+
+def adapt_for_test(trainer: DeviceTrainer, examples, batch_size: int, seed: int) -> None:
+    """The authors' ``*_generalized_test`` (``trainers/client_flow.py``) before the hard-policy
+    test: the local copies restart from the received global layers and are fine-tuned for K₁
+    epochs on ζ_ℓ (eq. 1), then ψ alone takes K₂ epochs of policy steps (eq. 4) on ζ_g; the
+    global layers do not move, so Acc_g is the received global model's."""
+    procedure: FlowProcedure = trainer.method.procedure.flow
+    key = f"{seed}:test"
+    local_rows, global_rows = training_rows(procedure, len(examples), key)
+    _fine_tune_local_copies(trainer, ExampleRows(examples, local_rows), batch_size, key)
+    if procedure.policy != "learned":
+        return
+    for epoch in range(procedure.global_epochs):
+        for batch in epoch_batches(ExampleRows(examples, global_rows), batch_size, key, procedure.local_epochs + epoch):
+            trainer.router_step(batch)
+
+
+def ditto_round(trainer: DeviceTrainer, examples, batch_size: int, key: int | str) -> tuple[dict[str, float], int]:
     """Ditto's round (Li et al., 2021, Alg. 1) on the layer copies: ``global_epochs`` epochs of
-    the global layers on every example (FedAvg's local update of ``w``), then ``local_epochs``
-    epochs of the personal model ``v`` (the local copies) on ``f_k(v) + (λ/2)‖v − w^t‖²``,
-    ``w^t`` being the global layers as received. ``v`` is the device's own between rounds; it
-    starts from the global model on the device's first round."""
+    the global layers (FedAvg's local update of ``w``), then ``local_epochs`` epochs of the
+    personal model ``v`` (the local copies) on ``f_k(v) + (λ/2)‖v − w^t‖²``, ``w^t`` being the
+    global layers as received; each on every example, or on ζ_g and ζ_ℓ (``baseline_budget:
+    flow``). ``v`` is the device's own between rounds; it starts from the global model on the
+    device's first round."""
     procedure: FlowProcedure = trainer.method.procedure.flow
     router, global_ids, local_ids = _personal_model_start(trainer)
+    local_rows, global_rows = training_rows(procedure, len(examples), key)
     names = {id(param): name for name, param in trainer.model.named_parameters()}
     received = {names[id(local)]: global_.detach().clone() for global_copy, local_copy in router.pairs
                 for global_, local in zip(global_copy.parameters(), local_copy.parameters(), strict=True)}
     router.path = "global"
     global_losses = [trainer.expert_step(batch, idle=local_ids)
                      for epoch in range(procedure.global_epochs)
-                     for batch in epoch_batches(examples, batch_size, seed, epoch)]
+                     for batch in epoch_batches(ExampleRows(examples, global_rows), batch_size, key, epoch)]
     router.path = "local"
     trainer.anchors = ProximalAnchors((received,), (1.0,), procedure.proximal_lambda)
     try:
         local_losses = [trainer.expert_step(batch, idle=global_ids)
                         for epoch in range(procedure.local_epochs)
-                        for batch in epoch_batches(examples, batch_size, seed, procedure.global_epochs + epoch)]
+                        for batch in epoch_batches(ExampleRows(examples, local_rows), batch_size, key,
+                                                   procedure.global_epochs + epoch)]
     finally:
         trainer.anchors = None
         router.path = "policy"
     trainer.iteration += len(local_losses) + len(global_losses)
     return {"train_loss_local": _mean(local_losses), "train_loss": _mean(global_losses),
-            "iteration": float(trainer.iteration)}, len(examples)
+            "iteration": float(trainer.iteration)}, len(global_rows)
 
 
-def apfl_round(trainer: DeviceTrainer, examples, batch_size: int, seed: int) -> tuple[dict[str, float], int]:
-    """APFL's round (Deng et al., 2020, Alg. 1) on the layer copies: ``local_epochs`` epochs over
-    every example, each batch a step of the global layers ``w`` on their own loss, then a step
-    of the personal model ``v`` (the local copies, the device's own between rounds) and of α on
-    the loss of ``(1 − α)·w + α·v``. α is the device's, as ``v``; the paper clips α to [0, 1]
-    after each step where we keep it in (0, 1) by a sigmoid."""
+def apfl_round(trainer: DeviceTrainer, examples, batch_size: int, key: int | str) -> tuple[dict[str, float], int]:
+    """APFL's round (Deng et al., 2020, Alg. 1) on the layer copies: ``local_epochs`` epochs, each
+    batch a step of the global layers ``w`` on their own loss, then a step of the personal model
+    ``v`` (the local copies, the device's own between rounds) and of α on the loss of
+    ``(1 − α)·w + α·v``; both steps on the same batch of every example, or (``baseline_budget:
+    flow``) the first on a batch of ζ_g, the second on one of ζ_ℓ. α is the device's, as ``v``;
+    the paper clips α to [0, 1] after each step where we keep it in (0, 1) by a sigmoid."""
     procedure: FlowProcedure = trainer.method.procedure.flow
     router, global_ids, local_ids = _personal_model_start(trainer)
+    local_rows, global_rows = training_rows(procedure, len(examples), key)
     alpha = frozenset({id(router.alpha_logit)})
     global_losses, local_losses = [], []
     try:
         for epoch in range(procedure.local_epochs):
-            for batch in epoch_batches(examples, batch_size, seed, epoch):
-                router.path = "global"
-                global_losses.append(trainer.expert_step(batch, idle=local_ids | alpha))
-                router.path = "mixture"
-                local_losses.append(trainer.expert_step(batch, idle=global_ids))
+            pairs = zip_longest(epoch_batches(ExampleRows(examples, global_rows), batch_size, key, epoch),
+                                epoch_batches(ExampleRows(examples, local_rows), batch_size, key, epoch))
+            for global_batch, local_batch in pairs:
+                if global_batch is not None:
+                    router.path = "global"
+                    global_losses.append(trainer.expert_step(global_batch, idle=local_ids | alpha))
+                if local_batch is not None:
+                    router.path = "mixture"
+                    local_losses.append(trainer.expert_step(local_batch, idle=global_ids))
     finally:
         router.path = "policy"
     trainer.iteration += len(local_losses) + len(global_losses)
     metrics = {"train_loss_local": _mean(local_losses), "train_loss": _mean(global_losses),
                "alpha": float(torch.sigmoid(router.alpha_logit.detach())), "iteration": float(trainer.iteration)}
-    return metrics, len(examples)
+    return metrics, len(global_rows)
 
 
 def _personal_model_start(trainer: DeviceTrainer) -> tuple[InstancePolicyRouter, frozenset[int], frozenset[int]]:
