@@ -556,7 +556,8 @@ class SlotStrategy(Strategy):
             return
         parts = [f"round {server_round}"]
         if mean is not None:
-            label = "mean test ppl" if self.job.recipe.is_language_modelling else "mean score"
+            language = self.job.recipe.is_language_modelling
+            label = f"mean {self.job.recipe.data.eval_split} ppl" if language else "mean score"
             parts.append(f"{label} {mean:.2f}")
         parts.append(f"upload {self._round['bytes_up'] / 1024:.0f} KiB")
         parts.append(f"{time.perf_counter() - self._round['started']:.0f}s")
