@@ -14,7 +14,10 @@ domain). A best rate at an edge of the grid is flagged: widen the grid there.
 Test (``--test-seeds``): for every seed, each method at its own best rate, scored on the test split:
 one run per distinct best rate, holding the methods that chose it (``--set methods=[...]``), into
 ``FOLDER/test-lr<R>-s<SEED>``; then ``eval/seed_table.py``'s table over the seeds (a seed's folders
-joined with ``+``) and, with ``--against METHOD``, the paired test against METHOD.
+joined with ``+``) and, with ``--against METHOD``, the paired test against METHOD. For the sweep's
+own seed the models are already trained: its validation run at the best rate is re-scored on the
+test split from its checkpoints (``ondevice-moe eval RUN --split test``; the summary's
+``rescored_from`` names the run), unless ``--retrain-sweep-seed``.
 
 Every run is one process after another (one ``ondevice-moe finetune`` at a time); each one's wall
 time is printed and kept in ``FOLDER/wall_times.json``. ``--dry-run`` prints the commands only.
@@ -78,6 +81,25 @@ def run(command: list[str], folder: Path, out: Path, dry_run: bool) -> None:
     print(f"wall time {folder.name}: {seconds / 60:.1f} min", flush=True)
 
 
+def rescore_on_test(valid_folder: Path, folder: Path, methods: list[str], dry_run: bool) -> None:
+    """The sweep seed's test figures: ``valid_folder``'s trained ``methods`` scored on the test split
+    from their checkpoints, written as ``folder/summary.json``."""
+    if (folder / "summary.json").is_file():
+        print(f"kept: {folder} (finished before)", flush=True)
+        return
+    print(f"re-scoring {', '.join(methods)} of {valid_folder} on the test split into {folder}", flush=True)
+    if dry_run:
+        return
+    from ondevice_moe.runner import evaluate_run
+
+    start = time.monotonic()
+    summary = evaluate_run(valid_folder, split="test", methods=methods)
+    summary["rescored_from"] = str(valid_folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "summary.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
+    print(f"wall time re-scoring {folder.name}: {(time.monotonic() - start) / 60:.1f} min", flush=True)
+
+
 def read_summary(folder: Path, split: str) -> dict:
     """A finished run's summary, checked to be scored on ``split``."""
     summary = json.loads((folder / "summary.json").read_text(encoding="utf-8"))
@@ -134,6 +156,8 @@ def main(argv: list[str]) -> None:
     options.add_argument("--test-seeds", type=int, nargs="*", default=[],
                          help="then run each method at its best rate on the test split for these seeds")
     options.add_argument("--against", metavar="METHOD", help="paired test of the test runs against METHOD")
+    options.add_argument("--retrain-sweep-seed", action="store_true",
+                         help="train the sweep's seed again for the test figures instead of re-scoring its runs")
     options.add_argument("--dry-run", action="store_true", help="print the commands; run nothing")
     args = options.parse_args(argv)
     if any(o.split("=", 1)[0] in ("data.eval_split", "training.lr") for o in args.overrides):
@@ -163,8 +187,12 @@ def main(argv: list[str]) -> None:
         folders = []
         for rate, methods in chosen.items():
             folder = run_folder(out, "test", rate, seed)
-            run(finetune_command(args.recipe, folder, rate, seed, "test", args.overrides, methods), folder, out,
-                False)
+            if seed == args.seed and not args.retrain_sweep_seed:
+                rescore_on_test(run_folder(out, "valid", rate, seed), folder,
+                                [m for m in best if best[m] == rate], False)
+            else:
+                run(finetune_command(args.recipe, folder, rate, seed, "test", args.overrides, methods), folder,
+                    out, False)
             read_summary(folder, "test")
             folders.append(folder)
         joined.append(Path("+".join(str(f) for f in folders)))

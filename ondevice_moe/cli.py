@@ -129,12 +129,17 @@ def evaluate(
     suite: Annotated[str | None, typer.Option(
         help="lm (perplexity in/out of distribution) or glue (task metrics). Default: the run's own task.")] = None,
     device: Annotated[Device | None, typer.Option(help=DEVICE_HELP + " Default: the run's recipe.")] = None,
+    split: Annotated[str | None, typer.Option(
+        help="test or valid: the split a language model's users are scored on (data.eval_split). "
+             "Default: the run's recipe.")] = None,
 ) -> None:
     """Re-evaluate a finished run from its checkpoints."""
     from ondevice_moe.runner import evaluate_run
 
+    if split not in (None, "test", "valid"):
+        _fail(UserError(f"unknown split '{split}'", "use --split test or --split valid"))
     try:
-        summary = evaluate_run(run, suite, device)  # None keeps the device of the run's recipe
+        summary = evaluate_run(run, suite, device, split)  # None keeps the device of the run's recipe
     except UserError as error:
         _fail(error)
     _print_summary(summary)

@@ -240,19 +240,25 @@ def run_facts(recipe: Recipe, summary: dict[str, Any]) -> list[str]:
 SUITES = {"lm": True, "glue": False}  # suite → is it for language-modelling runs
 
 
-def evaluate_run(run_dir: Path, suite: str | None = None, device: str | None = None) -> dict[str, Any]:
+def evaluate_run(run_dir: Path, suite: str | None = None, device: str | None = None, split: str | None = None,
+                 methods: list[str] | None = None) -> dict[str, Any]:
     """Re-evaluate every device of a run's finished methods from their checkpoints.
 
     ``lm``: per-user test perplexity in and out of distribution; ``glue``: the task metric per
     client; ``None``: the suite of the run's own task. ``device`` (``auto`` | ``cpu`` | ``cuda``)
-    overrides the run's ``model.device``. Returns a summary shaped like ``summary.json``.
+    overrides the run's ``model.device``; ``split`` (``test`` | ``valid``) the split a language model
+    is scored on (``data.eval_split``: a run that chose its learning rate on ``valid`` scored on
+    ``test``, the same trained models); ``methods``: only these of the run's finished methods.
+    Returns a summary shaped like ``summary.json``.
     """
     from ondevice_moe.federation import device as dev
     from ondevice_moe.federation.evaluation import evaluate_device, user_values
 
     if suite is not None and suite not in SUITES:
         raise UserError(f"unknown suite '{suite}'", f"use one of {list(SUITES)}")
-    recipe, jobs = finished_jobs(run_dir, device)
+    recipe, jobs = finished_jobs(run_dir, device, split)
+    if methods is not None:
+        jobs = [job for job in jobs if job.method.name in methods]
     suite = suite or ("lm" if recipe.is_language_modelling else "glue")  # the run knows its task
     if SUITES[suite] != recipe.is_language_modelling:
         kind = "language-modelling" if recipe.is_language_modelling else "classification"
@@ -273,9 +279,10 @@ def evaluate_run(run_dir: Path, suite: str | None = None, device: str | None = N
                      eval_split(recipe))
 
 
-def finished_jobs(run_dir: Path, device: str | None = None) -> tuple[Recipe, list[Job]]:
+def finished_jobs(run_dir: Path, device: str | None = None, split: str | None = None) -> tuple[Recipe, list[Job]]:
     """A run folder's recipe and the jobs of its finished methods (``device`` overrides
-    ``model.device``); a folder that is not a run, or has nothing finished, is a :class:`UserError`."""
+    ``model.device``, ``split`` ``data.eval_split``); a folder that is not a run, or has nothing
+    finished, is a :class:`UserError`."""
     from ondevice_moe.recipe import validate_recipe
 
     recipe_file = Path(run_dir) / "recipe.yaml"
@@ -284,6 +291,11 @@ def finished_jobs(run_dir: Path, device: str | None = None) -> tuple[Recipe, lis
     raw = strict_yaml.read_mapping(recipe_file, "restore the run folder's recipe.yaml, or run finetune again")
     if device is not None:
         apply_override(raw, f"model.device={device}")
+    if split is not None:
+        if "data" not in raw:
+            raise UserError(f"--split scores a language model's users; {run_dir} is not a language-modelling run",
+                            "drop --split")
+        apply_override(raw, f"data.eval_split={split}")
     recipe = validate_recipe(raw, source=str(recipe_file))
     try:
         finished = MetricsLog(Path(run_dir) / "metrics.jsonl").finished()

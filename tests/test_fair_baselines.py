@@ -75,6 +75,16 @@ def test_a_validation_run_says_so_in_its_summary_and_report(pretrained_runs):
     assert score_title(test.summary).startswith("Test perplexity")
 
 
+def test_a_run_scored_on_valid_is_rescored_on_test_from_the_same_models(pretrained_runs):
+    valid, test = pretrained_runs["valid"], pretrained_runs["test"]
+    rescored = runner.evaluate_run(valid.run_dir, split="test")
+    assert rescored["eval_split"] == "test"
+    for user, values in test.summary["methods"]["pretrained"]["per_user"].items():
+        got = rescored["methods"]["pretrained"]["per_user"][user]
+        assert got["in"] == pytest.approx(values["in"]) and got["out"] == pytest.approx(values["out"])
+    assert runner.evaluate_run(valid.run_dir, methods=[])["methods"] == {}
+
+
 def test_seed_table_will_not_mix_splits(pretrained_runs, capsys):
     import seed_table
 
@@ -197,7 +207,7 @@ def test_lr_sweep_on_a_tiny_recipe_chooses_on_valid_and_tests_the_choice(tmp_pat
     out = tmp_path / "sweep"
     sets = ["--set", "federation.rounds=1", "--set", "methods=[local, fedavg]"]
     lr_sweep.main([str(TINY), "--rates", "1e-4", "3e-2", "--out", str(out), *sets,
-                   "--test-seeds", "0", "--against", "fedavg"])
+                   "--test-seeds", "0", "1", "--against", "fedavg"])
     printed = capsys.readouterr().out
     best = json.loads((out / "best_rates.json").read_text())
     assert set(best) == {"local", "fedavg"}
@@ -205,6 +215,15 @@ def test_lr_sweep_on_a_tiny_recipe_chooses_on_valid_and_tests_the_choice(tmp_pat
         summary = json.loads((out / f"valid-lr{rate:g}-s0" / "summary.json").read_text())
         assert summary["eval_split"] == "valid"
     for method, rate in best.items():
-        summary = json.loads((out / f"test-lr{rate:g}-s0" / "summary.json").read_text())
-        assert summary["eval_split"] == "test" and method in summary["methods"]
+        for seed in (0, 1):
+            summary = json.loads((out / f"test-lr{rate:g}-s{seed}" / "summary.json").read_text())
+            assert summary["eval_split"] == "test" and method in summary["methods"]
     assert "best rate per method on valid" in printed and "mean Δ% vs fedavg" in printed
+    # seed 0 (the sweep's) is re-scored from the sweep's checkpoints: the figures of training on test
+    rate = best["fedavg"]
+    rescored = json.loads((out / f"test-lr{rate:g}-s0" / "summary.json").read_text())
+    assert rescored["rescored_from"].endswith(f"valid-lr{rate:g}-s0")
+    recipe = load_recipe(TINY, ["federation.rounds=1", "methods=[fedavg]", f"training.lr={rate!r}"], seed=0)
+    direct = runner.run_recipe(recipe, tmp_path / "direct").summary["methods"]["fedavg"]
+    assert rescored["methods"]["fedavg"]["mean_in"] == pytest.approx(direct["mean_in"], rel=1e-4)
+    assert rescored["methods"]["fedavg"]["mean_out"] == pytest.approx(direct["mean_out"], rel=1e-4)
