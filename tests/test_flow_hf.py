@@ -13,6 +13,7 @@ from ondevice_moe import runner
 from ondevice_moe.experts.layer_copy import RoutedLayer
 from ondevice_moe.federation import device as dev
 from ondevice_moe.federation.device_state import private_tensors
+from ondevice_moe.federation.evaluation import evaluate_device
 from ondevice_moe.federation.job import Job
 from ondevice_moe.methods.flow.procedure import flow_round
 from ondevice_moe.recipe import load_recipe, validate_recipe
@@ -142,3 +143,16 @@ def test_flow_runs_on_a_language_model_and_reports_both_models_perplexities(tmp_
     assert flow["benefiting_pct"] == pytest.approx(
         100 * sum(v["in"] < v["in_global"] for v in users.values()) / len(users))
     assert "| method | ppl_g in | ppl_p in |" in (tmp_path / "run" / "report.md").read_text()
+
+
+def test_a_language_model_adapted_before_its_test_keeps_its_global_perplexity(tmp_path):
+    """``evaluation: adapted`` on a language model: the device tests a copy whose local LoRA copies
+    and ψ adapted on its training blocks; the global path's perplexity is the model's own."""
+    job = _job("tiny.yaml", [*FLOW, "flow.evaluation=adapted"], tmp_path)
+    trainer = dev.restore_trainer(job, 0, None, RecordDict())
+    flow_round(trainer, *dev.flow_examples(job, 0), seed=0)
+    as_trained = _job("tiny.yaml", FLOW, tmp_path)
+    adapted = evaluate_device(job, 0, trainer.model)
+    plain = evaluate_device(as_trained, 0, trainer.model)
+    assert adapted["user_0/test_ppl_in_global"] == pytest.approx(plain["user_0/test_ppl_in_global"])
+    assert adapted["user_0/test_ppl_in"] != pytest.approx(plain["user_0/test_ppl_in"], rel=1e-6)
