@@ -55,7 +55,9 @@ def run_folder(out: Path, split: str, rate: float, seed: int) -> Path:
 def finetune_command(recipe: Path, folder: Path, rate: float, seed: int, split: str, overrides: list[str],
                      methods: list[dict] | None = None) -> list[str]:
     """The ``ondevice-moe finetune`` command of one run (``methods``: the recipe's entries to keep)."""
-    command = ["ondevice-moe", "finetune", str(recipe), "--seed", str(seed), "--output", str(folder)]
+    # This interpreter's package, so the sweep runs from a virtual environment that is not on PATH.
+    command = [sys.executable, "-m", "ondevice_moe", "finetune", str(recipe), "--seed", str(seed),
+               "--output", str(folder)]
     for override in [*overrides, f"data.eval_split={split}", f"training.lr={rate!r}"]:
         command += ["--set", override]
     if methods is not None:
