@@ -6,9 +6,19 @@ import sys
 import zipfile
 from pathlib import Path
 
-from ondevice_moe import BUNDLED_RECIPES
+import tomli
+
+import ondevice_moe
+from ondevice_moe import BUNDLED_RECIPES, distribution
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_the_package_names_the_distributions_version_and_recipes():
+    # every layer reads them from ondevice_moe.distribution; users from the package root
+    project = tomli.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    assert ondevice_moe.__version__ == distribution.VERSION == project["version"]
+    assert BUNDLED_RECIPES == distribution.BUNDLED_RECIPES
 
 
 def test_top_level_recipes_path_is_the_package_folder():

@@ -8,7 +8,7 @@ import yaml
 
 from ondevice_moe import report
 from ondevice_moe.recipe import validate_recipe
-from ondevice_moe.runner import run_facts
+from ondevice_moe.run_folder import run_facts
 
 TINY = Path(__file__).parent / "recipes" / "tiny.yaml"
 

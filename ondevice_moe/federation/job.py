@@ -23,11 +23,11 @@ from pathlib import Path
 
 from flwr.app import Context, Message
 
-from ondevice_moe import BUNDLED_RECIPES
+from ondevice_moe.distribution import BUNDLED_RECIPES
 from ondevice_moe.errors import UserError
 from ondevice_moe.federation.node import NodeFacts, node_facts
 from ondevice_moe.federation.rules import ServerRule
-from ondevice_moe.methods import Method
+from ondevice_moe.methods.base import Method
 from ondevice_moe.recipe import Recipe, load_recipe, validate_recipe
 from ondevice_moe.training import TrainingConfig
 

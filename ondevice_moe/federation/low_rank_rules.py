@@ -60,6 +60,11 @@ class _HeterogeneousRankRule(ServerRule):
 
     ranks: tuple[int, ...] = ()
 
+    @property
+    def needs_each_update(self) -> str:
+        return (f"its server rule {type(self).__name__} combines devices of different LoRA ranks "
+                "(zero-padding or SVD of each device's product), not one weighted sum")
+
     def reference(self, slots: Slots, device: int) -> dict[str, torch.Tensor]:
         return self.message_for(slots, device)
 

@@ -52,6 +52,10 @@ class PeerRelayRule(ServerRule):
     first_mix: int = 6
     every: int = 2
 
+    @property
+    def needs_each_update(self) -> str:
+        return "PCL relays each device's own model to its peers, which is what SecAgg+ hides"
+
     def initial_slots(self) -> Slots:
         return {}
 

@@ -40,6 +40,19 @@ class ServerRule:
     weighting: str = "uniform"
     partial_uploads: bool = False
 
+    @property
+    def needs_each_update(self) -> str | None:
+        """Why this rule must see each device's update on its own, or ``None`` where it needs no more
+        than the weighted mean of the same tensors from every device. Secure aggregation (SecAgg+)
+        gives the server that mean and nothing else, so it refuses a rule that says why.
+
+        FedAvg's mean needs no more. A subclass combines the uploads its own way, so unless it
+        overrides this (with its reason, or ``None`` where its rule is that one weighted mean
+        after all), it is taken to need each one."""
+        if type(self) is ServerRule:
+            return None
+        return f"its server rule {type(self).__name__} does not combine the uploads as one weighted mean"
+
     def initial_slots(self) -> Slots:
         return {GLOBAL: {}}
 
@@ -76,6 +89,11 @@ class InverseFrequencyRule(ServerRule):
     alpha: float = 0.5
     epsilon: float = 1.0
     partial_uploads: bool = True
+
+    @property
+    def needs_each_update(self) -> str:
+        return ("Hermes's inverse-frequency weights (h + ε)^(−α) differ per expert and per device and need each "
+                "device's usage counts, and devices upload only the experts they used")
 
     def weights(self) -> Weighting:
         return inverse_frequency_weighting(self.alpha, self.epsilon, example_weighting(self.weighting))

@@ -58,11 +58,7 @@ from flwr.server.workflow.constant import Key as WorkflowKey
 from flwr.serverapp import Grid
 
 from ondevice_moe.federation.job import job_from_context
-from ondevice_moe.federation.peers import PeerRelayRule
-from ondevice_moe.federation.rules import InverseFrequencyRule, ServerRule
-from ondevice_moe.methods import Method
-from ondevice_moe.methods.fedsoft.rule import CentreRule
-from ondevice_moe.methods.floral.rule import MixtureRule
+from ondevice_moe.methods.base import Method
 from ondevice_moe.recipe import FederationSection
 
 # Legacy FitIns carry unnamed arrays and scalar configs only: these name lists travel as one
@@ -70,27 +66,15 @@ from ondevice_moe.recipe import FederationSection
 SENT_KEY = "secaggplus-sent"  # the names of the tensors the server sent, in FitIns order
 UPLOAD_KEY = "secaggplus-upload"  # the names the device uploads, in the order they are summed
 
-_REFUSED = {
-    InverseFrequencyRule: "Hermes's inverse-frequency weights (h + ε)^(−α) differ per expert and per device and "
-                          "need each device's usage counts, and devices upload only the experts they used",
-    MixtureRule: "FLoRAL weighs each adaptor by each client's π_c, one weight per device and adaptor, "
-                 "where SecAgg+ takes one weight per device",
-    CentreRule: "FedSoft and IFCA select devices per centre and weigh each device's model by its "
-                "importance u_k per centre, which needs every device's model",
-    PeerRelayRule: "PCL relays each device's own model to its peers, which is what SecAgg+ hides",
-}
-
 
 def refusal(method: Method) -> str | None:
     """Why ``method`` cannot aggregate under SecAgg+, or ``None`` when its server rule is a plain
-    weighted sum of the same tensors from every device (FedAvg, CoMiGS's generalists)."""
+    weighted sum of the same tensors from every device (FedAvg, CoMiGS's generalists): its rule
+    needs each device's update (:attr:`~ondevice_moe.federation.rules.ServerRule.needs_each_update`),
+    its devices upload different tensors, or one device trains on everyone's data."""
     rule = method.server_rule
-    for kind, why in _REFUSED.items():
-        if isinstance(rule, kind):
-            return why
-    if type(rule) is not ServerRule:
-        return (f"its server rule {type(rule).__name__} combines devices of different LoRA ranks "
-                "(zero-padding or SVD of each device's product), not one weighted sum")
+    if rule.needs_each_update:
+        return rule.needs_each_update
     if rule.partial_uploads:
         return "devices upload only the experts they used, so their vectors differ in layout"
     if method.centralized:

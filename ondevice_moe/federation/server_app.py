@@ -30,6 +30,7 @@ from ondevice_moe.federation.job import Job, jobs_from_context
 from ondevice_moe.federation.strategy import SlotStrategy, connect, pack_slots
 from ondevice_moe.federation.window import IN_FLIGHT_BYTES, WindowedGrid, simulation_window
 from ondevice_moe.report import MetricsLog
+from ondevice_moe.run_folder import finish_report, start_method
 
 app = ServerApp()
 
@@ -62,14 +63,12 @@ def main(grid: Grid, context: Context) -> None:
 
 def run_submitted(grid: Grid, job: Job) -> None:
     """The one method of a ``flwr run``: the ServerApp prepares the run folder and writes the report."""
-    from ondevice_moe import runner
-
-    runner.start_method(job)
+    start_method(job.recipe, job.run_dir, job.method.name)
     try:
         with failure_logged(job):
             run_federation(windowed(grid, job, True), job, run_log(job))
     finally:  # with what it has if the method failed
-        runner.finish_report(job.recipe, job.run_dir)
+        finish_report(job.recipe, job.run_dir)
 
 
 def run_log(job: Job) -> MetricsLog:

@@ -25,6 +25,7 @@ from pathlib import Path
 import tomli
 import tomli_w
 
+from ondevice_moe.distribution import VERSION
 from ondevice_moe.errors import UserError
 from ondevice_moe.federation.job import Job
 from ondevice_moe.report import CorruptLog, MetricsLog
@@ -59,12 +60,10 @@ def connection(name: str) -> dict[str, object]:
 
 def write_app(folder: Path, job: Job) -> tuple[Path, Path]:
     """A Flower app folder declaring the toolkit's two apps, and a run-config file carrying the job."""
-    from ondevice_moe import __version__
-
     app = folder / "app"
     app.mkdir()
     project = {"build-system": {"requires": ["hatchling"], "build-backend": "hatchling.build"},
-               "project": {"name": "ondevice-moe-run", "version": __version__, "dependencies": []},
+               "project": {"name": "ondevice-moe-run", "version": VERSION, "dependencies": []},
                "tool": {"flwr": {"app": {"publisher": "ondevice-moe", "components": APP_COMPONENTS,
                                          "config": {"recipe": "", "recipe-json": "", "method": 0, "run-dir": ""}}}}}
     (app / "pyproject.toml").write_text(tomli_w.dumps(project), encoding="utf-8")

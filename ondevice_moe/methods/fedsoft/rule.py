@@ -142,6 +142,11 @@ class CentreRule(ServerRule):
     every_centre: bool = False
     lora_centres: Literal["factors", "product"] = "factors"
 
+    @property
+    def needs_each_update(self) -> str:
+        return ("FedSoft and IFCA select devices per centre and weigh each device's model by its importance u_k "
+                "per centre, which needs every device's model")
+
     def initial_slots(self) -> Slots:
         return {cluster_slot(s): {} for s in range(self.clusters)}
 

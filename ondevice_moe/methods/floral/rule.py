@@ -45,5 +45,10 @@ class MixtureRule(ServerRule):
 
     weighting: str = "num_examples"
 
+    @property
+    def needs_each_update(self) -> str:
+        return ("FLoRAL weighs each adaptor by each client's π_c, one weight per device and adaptor, "
+                "where SecAgg+ takes one weight per device")
+
     def weights(self) -> Weighting:
         return mixture_weighting(example_weighting(self.weighting))

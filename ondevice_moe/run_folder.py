@@ -1,0 +1,110 @@
+"""A run folder: ``recipe.yaml``, ``metrics.jsonl`` and the report written from that log.
+
+Both drivers of a run keep their folder through these functions: the runner
+(``ondevice-moe finetune``, every method in Flower's simulation) and, under ``flwr run``, the
+ServerApp (one method), so the folder is the same either way. The report's summary, plots and
+``report.md`` come from :mod:`ondevice_moe.report`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ondevice_moe.errors import UserError
+from ondevice_moe.names import folder_name
+from ondevice_moe.recipe import Recipe
+from ondevice_moe.report import (
+    CorruptLog,
+    MetricsLog,
+    plot_communication,
+    plot_expert_scores,
+    plot_rounds,
+    summarize,
+    write_report,
+)
+from ondevice_moe.versions import versions
+
+
+@dataclass
+class RunResult:
+    run_dir: Path
+    summary: dict[str, Any]
+    report: Path
+
+
+def prepare_run_dir(recipe: Recipe, output: Path | None) -> Path:
+    """Create or reopen the run folder; a folder of another recipe, or one that cannot be
+    read or written, is a :class:`UserError`. A log line cut short by a killed run is removed."""
+    run_dir = Path(output) if output else Path("runs") / recipe.name
+    fix = "choose another --output folder, or delete the old one to start over"
+    if run_dir.exists() and not run_dir.is_dir():
+        raise UserError(f"the run folder {run_dir} is a file", fix)
+    recipe_file = run_dir / "recipe.yaml"
+    resolved = yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        existing = recipe_file.read_text(encoding="utf-8") if recipe_file.exists() else None
+        log = MetricsLog(run_dir / "metrics.jsonl")
+        ran = bool(log.read())  # a folder where nothing ran yet (its inputs failed their checks) takes any recipe
+        if ran and existing is not None and existing != resolved:
+            raise UserError(f"{run_dir} holds a run of a different recipe (or other --set/--seed values)", fix)
+        recipe_file.write_text(resolved, encoding="utf-8")
+        log.repair()
+        log.path.touch()
+    except (OSError, UnicodeDecodeError) as error:
+        reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
+        name = getattr(error, "filename", None) or run_dir
+        raise UserError(f"cannot use the run folder {run_dir}: {name}: {reason}", fix) from None
+    except CorruptLog as error:
+        raise UserError(f"the run folder {run_dir} is damaged: {error}", fix) from None
+    return run_dir
+
+
+def start_method(recipe: Recipe, run_dir: Path, method: str) -> None:
+    """Prepare the run folder for one method run by ``flwr run`` and drop the method's old records."""
+    prepare_run_dir(recipe, run_dir)
+    MetricsLog(run_dir / "metrics.jsonl").discard(method)
+
+
+def finish_report(recipe: Recipe, run_dir: Path) -> RunResult:
+    """Summary, plots and ``report.md`` from the run folder's ``metrics.jsonl``."""
+    log = MetricsLog(run_dir / "metrics.jsonl")
+    finished = log.finished()
+    methods = [method for method in (recipe.method(index) for index in range(len(recipe.methods)))
+               if method.name in finished]  # a method that failed under `flwr run` reports its error instead
+    records = log.read()
+    names = [m.name for m in methods]
+    summary = summarize(records, names, recipe.user_names, recipe.metric, eval_split(recipe))
+    failed = {r["method"]: r["message"] for r in records if r.get("kind") == "error" and r["method"] not in finished}
+    plots = [p for p in (plot_rounds(records, names, run_dir / "plots" / "rounds.png"),
+                         plot_communication(records, names, run_dir / "plots" / "communication.png")) if p]
+    for method in methods:
+        if method.procedure.routers != "none":  # only learned routers have scores worth a plot
+            picture = run_dir / "plots" / f"expert_scores_{folder_name(method.name)}.png"
+            plot = plot_expert_scores(records, method.name, picture)
+            if plot:
+                plots.append(plot)
+    facts = run_facts(recipe, summary) + [f"did not finish: {name} ({message})" for name, message in failed.items()]
+    report = write_report(run_dir, recipe.name, summary, plots, facts)
+    return RunResult(run_dir, summary, report)
+
+
+def eval_split(recipe: Recipe) -> str:
+    """The split a language model's perplexities are scored on (``data.eval_split``); tasks score on test."""
+    return recipe.data.eval_split if recipe.data is not None else "test"
+
+
+def run_facts(recipe: Recipe, summary: dict[str, Any]) -> list[str]:
+    """What a reader of ``report.md`` needs to know of the run before its numbers: seeds,
+    rounds, devices, when the report was written, with which versions, and dropped updates."""
+    dropped = sum(count for method in summary["methods"].values() for count in method.get("dropped", {}).values())
+    return [f"seed {recipe.seed} (data seed {recipe.split_seed}), {recipe.federation.rounds} rounds, "
+            f"{len(recipe.user_names)} devices, model {recipe.model.name}",
+            f"written {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')} with "
+            + ", ".join(f"{package} {version}" for package, version in versions().items()),
+            "dropped updates: " + (f"{dropped} (see Dropped devices below)" if dropped else "none")]
