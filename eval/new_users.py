@@ -36,6 +36,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from ondevice_moe.errors import UserError
 from ondevice_moe.federation import device as dev
 from ondevice_moe.likelihood import block_nll
+from ondevice_moe.methods.fedsoft.procedure import initial_centre
 from ondevice_moe.runner import finished_jobs
 
 
@@ -77,18 +78,17 @@ def new_user_picks(run: Path, methods: list[str] | None) -> dict[str, list[Pick]
     _, jobs = finished_jobs(run)
     picks = {}
     for job in jobs:
-        centres = job.method.procedure.centres
-        if centres is None or (methods and job.method.name not in methods):
+        if not job.method.procedure.server_keeps_models or (methods and job.method.name not in methods):
             continue
         if not job.recipe.is_language_modelling:
             raise UserError(f"{run} is not a language-modelling run", "pass runs of a recipe with a data: section")
         model = dev.build_model(job, 0)
         sources = dev.source_test_blocks(job)
         length = job.recipe.data.context_length
-        formed = dev.formed_centres(job)
+        formed = dev.server_models_of(job)
         per_centre = []
         for centre in range(job.server_rule.clusters):
-            model.load_state_dict(formed.get(centre) or dev.initial_centre(job, centre), strict=False)
+            model.load_state_dict(formed.get(centre) or initial_centre(dev.JobDevice(job, 0), centre), strict=False)
             per_centre.append([block_nll(model, blocks, job.recipe.data.eval_batch_size) / (length - 1)
                                for _, blocks in sources])
         picks[job.method.name] = [pick_centre(torch.stack([row[j] for row in per_centre]), name)

@@ -31,3 +31,8 @@ def folder_name(method_name: str) -> str:
     of ``hermes-w/o-A``, the ``:`` of a mixture's derived name) turned into ``_``. Recipe validation
     checks that the methods' folders differ; a user's own ``label`` must be a plain name already."""
     return re.sub(r"[^A-Za-z0-9._+-]", "_", method_name).lstrip(".")[:100] or "_"
+
+
+MIXTURE_SUFFIX = "_mixture"
+"""A per-user score of a method's second prediction (FedEM's π-mixture of its centres) carries this
+suffix; the report summarises it as a method ``<method>-mixture``."""

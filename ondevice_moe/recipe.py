@@ -26,7 +26,8 @@ from ondevice_moe.methods.fedsoft.config import FedSoftSizes
 from ondevice_moe.methods.floral.config import FLoRALSizes
 from ondevice_moe.methods.flow.config import FlowSizes
 from ondevice_moe.methods.hermes.config import HermesSizes
-from ondevice_moe.methods.registry import CLASSIFICATION, LANGUAGE, METHODS, SMALL, build_method, method_options
+from ondevice_moe.methods.registry import METHODS, available_methods, build_method, method_options
+from ondevice_moe.methods.spec import CLASSIFICATION, LANGUAGE, SMALL
 from ondevice_moe.models.registry import MODEL_ALIASES
 from ondevice_moe.models.small import SMALL_MODELS
 from ondevice_moe.names import folder_name, name_problem
@@ -455,8 +456,9 @@ class MethodEntry(BaseModel):
     @field_validator("name")
     @classmethod
     def _known(cls, name: str) -> str:
-        if name not in METHODS:
-            raise ValueError(f"unknown method '{name}'; use one of {', '.join(METHODS)}")
+        methods = available_methods()
+        if name not in methods:
+            raise ValueError(f"unknown method '{name}'; use one of {', '.join(methods)}")
         return name
 
     def raw_options(self) -> dict[str, Any]:
@@ -482,7 +484,19 @@ class Recipe(_Section):
     federation: FederationSection = FederationSection()
     privacy: PrivacySection = PrivacySection()
     training: TrainingSection = TrainingSection()
+    plugins: list[str] = []
+    """Python files or package folders of methods of the recipe's own (:mod:`ondevice_moe.methods.plugins`),
+    relative to the recipe; their code runs only where the user trusts it (``--trust-plugins``)."""
     methods: list[MethodEntry] = Field(min_length=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _register_plugins(cls, data: Any) -> Any:
+        """Register the plug-ins' methods before the method entries are read."""
+        plugins = data.get("plugins") if isinstance(data, dict) else None
+        if isinstance(plugins, list) and all(isinstance(path, str) for path in plugins):
+            available_methods(tuple(Path(path) for path in plugins))
+        return data
 
     @property
     def split_seed(self) -> int:
@@ -506,20 +520,10 @@ class Recipe(_Section):
             valid = [name for name, spec in METHODS.items() if kind in spec.tasks]
             raise ValueError(f"methods {wrong} do not run on a {kind} recipe; use {', '.join(valid)}")
         built = [self._method_for_validation(index) for index in range(len(self.methods))]
-        whole_centres = [m.name for m in built if m.procedure.centres is not None and m.layouts[0] is None]
-        if whole_centres and not small_model:
-            raise ValueError(f"methods {whole_centres} would keep whole copies of a Hugging Face model as cluster "
-                             "centres; give them cluster adapters: set fedsoft.lora_rank (e.g. 8)")
-        held_out = [m.name for m in built if m.procedure.centres is not None
-                    and m.procedure.centres.scored_on == "valid"]
-        if held_out and kind != LANGUAGE:
-            raise ValueError(f"methods {held_out} score the centres on validation blocks, which only a language-"
-                             "modelling recipe has; set fedsoft.importance_split: train")
-        every_centre = [m.name for m in built if m.procedure.centres is not None
-                        and m.procedure.centres.trains_every_centre]
-        if every_centre and self.privacy.enabled:
-            raise ValueError(f"methods {every_centre} send every cluster centre, and privacy clips and noises the "
-                             "update of one model; drop them or the recipe's privacy: section")
+        problems = [problem for m in built for problem in m.procedure.recipe_problems(
+            m.name, hugging_face=not small_model, language_modelling=kind == LANGUAGE, private=self.privacy.enabled)]
+        if problems:
+            raise ValueError("; ".join(problems))
         if self.model.quantization != "none":
             whole = [m.name for m in built if m.procedure.full_finetune]
             if whole:
@@ -538,9 +542,7 @@ class Recipe(_Section):
                 raise ValueError("federation.aggregation needs each device's upload, which SecAgg+ hides; "
                                  "use aggregation: mean or secure_aggregation: none")
         if self.federation.secure_aggregation != "none":
-            from ondevice_moe.federation.secure_aggregation import refusal
-
-            refused = [f"{m.name}: {why}" for m in built if (why := refusal(m))]
+            refused = [f"{m.name}: {why}" for m in built if (why := secure_aggregation_refusal(m))]
             if refused:
                 raise ValueError("secure_aggregation: secaggplus only sums one weighted vector per device, so it "
                                  "cannot run " + "; ".join(refused) + ". Drop these methods or set "
@@ -641,6 +643,21 @@ class Recipe(_Section):
 # -- loading ------------------------------------------------------------------
 
 
+def secure_aggregation_refusal(method: Method) -> str | None:
+    """Why ``method`` cannot aggregate under SecAgg+, or ``None`` when its server rule is a plain
+    weighted sum of the same tensors from every device (FedAvg, CoMiGS's generalists): its rule
+    needs each device's update (:attr:`~ondevice_moe.federation.rules.ServerRule.needs_each_update`),
+    its devices upload different tensors, or one device trains on everyone's data."""
+    rule = method.server_rule
+    if rule.needs_each_update:
+        return rule.needs_each_update
+    if rule.partial_uploads:
+        return "devices upload only the experts they used, so their vectors differ in layout"
+    if method.centralized:
+        return "one device trains on every user's data, so there is no sum to hide"
+    return None
+
+
 def load_recipe(path: str | Path, overrides: list[str] | None = None, seed: int | None = None) -> Recipe:
     """Read, override (``key.sub=value``) and validate a recipe file."""
     path = Path(path)
@@ -658,6 +675,10 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None, seed: int 
         apply_override(raw, override)
     if seed is not None:
         raw["seed"] = seed
+    plugins = raw.get("plugins")
+    if isinstance(plugins, list):  # relative to the recipe; kept absolute in the run folder's copy
+        raw["plugins"] = [str((path.parent / entry).resolve()) if isinstance(entry, str) else entry
+                          for entry in plugins]
     return validate_recipe(raw, source=str(path))
 
 

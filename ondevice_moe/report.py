@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ondevice_moe.metrics import LOWER_IS_BETTER, lower_is_better
+from ondevice_moe.names import MIXTURE_SUFFIX
 
 
 class CorruptLog(ValueError):
@@ -114,8 +115,6 @@ VALUE_KEYS = {"test_ppl_in": "in", "test_ppl_out": "out", "score": "score",
 CENTRE_KEY = re.compile(r"centre_(\d+)_source_(\d+)")
 # A round's timing (``round`` records of metrics.jsonl), kept per round in summary.json.
 ROUND_KEYS = ("round", "wall_s", "slowest_client_s", "busiest_worker_s", "workers", "overhead")
-# FedEM's mixture prediction: per-user keys with this suffix, summarised as a method ``<method>-mixture``.
-MIXTURE_SUFFIX = "_mixture"
 # Per-user uncertainty kept beside the values in summary.json (not averaged into mean/std).
 ERROR_KEYS = {"test_nll_se_in": "nll_se_in", "test_nll_se_out": "nll_se_out"}
 

@@ -10,22 +10,16 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal, Protocol
 
 import torch
 from torch import nn
 
 from ondevice_moe.example_loss import EXAMPLE_WEIGHTS, example_loss
-from ondevice_moe.experts.preconditioning import low_rank_modules, precondition_gradients
-from ondevice_moe.federation.rank_pruning import pruning_penalty, zero_pruned_ranks
 from ondevice_moe.layout import hermes_routers, routing_sites, total_balance_loss
-from ondevice_moe.methods import Method
-from ondevice_moe.methods.fedsoft.centres import ProximalAnchors
-from ondevice_moe.mixture import mixtures
 from ondevice_moe.models.devices import model_device
-from ondevice_moe.routing import ClientRouter, client_mixture
+from ondevice_moe.routing import client_mixture
 from ondevice_moe.routing.hermes import counting_real_tokens
-from ondevice_moe.routing.instance_policy import instance_policy, policy_regulariser
 
 
 @dataclass(frozen=True)
@@ -62,34 +56,57 @@ Batch = dict[str, torch.Tensor]
 BatchSource = Callable[[int], Batch]
 
 
+class StepHooks(Protocol):
+    """What the trainer asks of a method's procedure (:class:`~ondevice_moe.methods.procedure.Procedure`)."""
+
+    routers: str
+    joint_router_lr: float | None
+
+    def idle_parameters(self, trainer: DeviceTrainer) -> set[int]: ...
+
+    def loss_terms(self, trainer: DeviceTrainer, *, train_experts: bool, train_router: bool
+                   ) -> torch.Tensor | None: ...
+
+    def adjust_gradients(self, trainer: DeviceTrainer) -> None: ...
+
+    def after_step(self, trainer: DeviceTrainer) -> None: ...
+
+
+class TrainedMethod(Protocol):
+    """What the trainer asks of a method (:class:`~ondevice_moe.methods.base.Method`)."""
+
+    procedure: StepHooks
+
+    def is_trainable(self, name: str) -> bool: ...
+
+
 @dataclass
 class DeviceTrainer:
     """The trainable state of one device: its model, optimisers and iteration count.
 
     A parameter is trainable when the model was built with ``requires_grad``
-    on it (experts, routers, task heads) and the method does not freeze it.
-    ``anchors``: this round's cluster centres, whose proximal term (FedSoft eq. 4)
-    joins the loss of every expert step; ``uploads``: what the round's procedure prepared
-    to send in place of the model's shared tensors (FedEM: every centre it trained).
+    on it (experts, routers, task heads) and the method does not freeze it. Each step
+    calls the method's procedure (:class:`~ondevice_moe.methods.procedure.Procedure`) for
+    the parameters it leaves idle, the terms it adds to the loss, its change to the
+    gradients and its action after the step; ``round_state`` is where a procedure keeps
+    what it set up for the round (a trainer lives for one round).
     A batch that carries ``example_weights`` (:class:`~ondevice_moe.example_loss.WeightedExamples`)
     is trained on the batch mean of weight × per-example loss in place of the model's own loss.
     """
 
     model: nn.Module
-    method: Method
+    method: TrainedMethod
     config: TrainingConfig
     iteration: int = 0
     expert_optimizer: torch.optim.Optimizer | None = field(default=None, init=False)
     router_optimizer: torch.optim.Optimizer | None = field(default=None, init=False)
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = field(default=None, init=False)
-    anchors: ProximalAnchors | None = field(default=None, init=False)
-    uploads: dict[str, torch.Tensor] | None = field(default=None, init=False)
+    round_state: dict[str, Any] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
         self.trainable = [(n, p) for n, p in self.model.named_parameters()
                           if p.requires_grad and self.method.is_trainable(n)]
         self.hermes_routers = hermes_routers(self.model)
-        self.preconditioned = low_rank_modules(self.model) if self.method.procedure.lora_preconditioning else []
         groups = [{"params": self.expert_parameters()}]
         if self.method.procedure.routers == "joint":
             self._add_joint_routers(groups)
@@ -164,25 +181,11 @@ class DeviceTrainer:
 
     def expert_step(self, batch: Batch, idle: frozenset[int] = frozenset()) -> float:
         """One step on the experts (CoMiGS eq. 3); routers are held fixed unless trained jointly.
-        With ``experts_in_turn`` (FDLoRA) the step trains one expert per site alone, in turn;
-        the parameters whose ids are in ``idle`` stay as they are (Flow's phases)."""
-        idle = set(idle) | (self._experts_out_of_turn() if self.method.procedure.experts_in_turn else set())
+        The parameters whose ids are in ``idle`` (a phase's, and the procedure's for this step)
+        stay as they are."""
+        idle = set(idle) | self.method.procedure.idle_parameters(self)
         return self._step(batch, self.expert_optimizer, train_router=self.method.procedure.routers == "joint",
                           train_experts=True, scheduler=self.scheduler, idle=idle)
-
-    def _experts_out_of_turn(self) -> set[int]:
-        """Route every token of each client-level site to its expert ``iteration mod n``;
-        the ids of the other experts' parameters, which this step leaves untouched
-        (no gradient, so AdamW neither moves nor decays them)."""
-        idle: set[int] = set()
-        for site in mixtures(self.model):
-            if isinstance(site.router, ClientRouter):
-                turn = self.iteration % len(site.experts)
-                site.router.use_only(turn)
-                for index, expert in enumerate(site.experts.values()):
-                    if index != turn:
-                        idle.update(id(param) for param in expert.parameters())
-        return idle
 
     def router_step(self, batch: Batch) -> float:
         """One step on the routers (CoMiGS eq. 4); experts are held fixed."""
@@ -207,28 +210,19 @@ class DeviceTrainer:
             if balance is not None:
                 loss = loss + self.config.balance_weight * balance
             procedure = self.method.procedure
-            penalty = pruning_penalty(self.model, procedure.pruning_strength) \
-                if procedure.pruning_lambda and train_experts else None
-            if penalty is not None:
-                loss = loss + procedure.pruning_lambda * penalty
-            policy = instance_policy(self.model)
-            if train_router and policy is not None and procedure.flow is not None:
-                loss = loss + procedure.flow.gamma * policy_regulariser(policy)  # Flow eq. 4
-            proximal = self.anchors.penalty(self.trainable) if self.anchors is not None and train_experts else None
-            if proximal is not None:
-                loss = loss + proximal
+            extra = procedure.loss_terms(self, train_experts=train_experts, train_router=train_router)
+            if extra is not None:
+                loss = loss + extra
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             for router in self.hermes_routers:
                 router.after_backward()
-            if procedure.lora_preconditioning:
-                precondition_gradients(self.preconditioned)
+            procedure.adjust_gradients(self)
             if self.config.grad_clip is not None:
                 params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
                 torch.nn.utils.clip_grad_norm_(params, self.config.grad_clip)
             optimizer.step()
-            if procedure.pruning_lambda:
-                zero_pruned_ranks(self.model)
+            procedure.after_step(self)
             for router in self.hermes_routers:
                 router.update_bias()
             if scheduler is not None:

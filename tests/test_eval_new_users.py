@@ -13,6 +13,7 @@ from ondevice_moe import runner
 from ondevice_moe.errors import UserError
 from ondevice_moe.federation import device as dev
 from ondevice_moe.likelihood import block_nll
+from ondevice_moe.methods.fedsoft import procedure as centres_side
 from ondevice_moe.recipe import load_recipe
 
 PATH = Path(__file__).parent.parent / "eval" / "new_users.py"
@@ -55,7 +56,7 @@ def test_a_finished_run_is_scored_from_its_saved_centres(tmp_path, capsys):
     for pick, (_, blocks) in zip(picks, sources, strict=True):
         half = blocks[blocks.shape[0] // 2:]
         for centre in (0, 1):
-            dev.load_centre(job, centre, model)
+            dev.load_server_model(job, centre, model)
             nll = block_nll(model, half, 8) / (blocks.shape[1] - 1)
             assert pick.ppl[centre] == pytest.approx(math.exp(float(nll.mean())), rel=1e-5)
     new_users.main([str(run)])
@@ -66,7 +67,7 @@ def test_a_finished_run_is_scored_from_its_saved_centres(tmp_path, capsys):
     server = dev.server_checkpoint_path(job)
     save_file({k: v for k, v in load_file(str(server)).items() if not k.startswith("cluster_1/")}, str(server))
     [code, _] = new_users.new_user_picks(run, ["ifca"])["ifca"]
-    model.load_state_dict(dev.initial_centre(job, 1), strict=False)
+    model.load_state_dict(centres_side.initial_centre(dev.JobDevice(job, 0), 1), strict=False)
     half = sources[0][1][sources[0][1].shape[0] // 2:]
     unformed = block_nll(model, half, 8) / (half.shape[1] - 1)
     assert code.ppl[1] == pytest.approx(math.exp(float(unformed.mean())), rel=1e-5)

@@ -16,6 +16,7 @@ from ondevice_moe.federation import device as dev
 from ondevice_moe.federation.aggregation import Update
 from ondevice_moe.federation.job import Job
 from ondevice_moe.likelihood import block_nll
+from ondevice_moe.methods.fedsoft import procedure as centres_side
 from ondevice_moe.methods.fedsoft.centres import centre_key, mixture_of, responsibilities, split_centres
 from ondevice_moe.methods.fedsoft.prediction import CentreMixture
 from ondevice_moe.methods.fedsoft.rule import CentreRule
@@ -107,13 +108,14 @@ def test_a_device_sets_pi_by_em_trains_every_centre_and_sends_all_of_them(tmp_pa
     job = _fedem_job(tmp_path)
     state = RecordDict()
     trainer = dev.restore_trainer(job, 0, None, state)
-    centres = dev.received_centres(job, None)
-    chosen = dev.anchor_to_centres(job, 0, trainer, None, state, server_round=1)
+    centres = centres_side.received_centres(dev.JobDevice(job, 0), None)
+    chosen = job.method.procedure.begin_round(dev.JobDevice(job, 0, state), trainer, None, 1)
     pi = [chosen["importance_0"], chosen["importance_1"]]
     assert sum(pi) == pytest.approx(1.0) and pi != pytest.approx([0.5, 0.5])
     assert list(state["importance"]["u"]) == pi, "π is the device's, kept for its next E-step"
-    assert trainer.anchors.posteriors.shape == (2, len(dev.centre_examples(job, 0)))
-    assert trainer.anchors.penalty(trainer.trainable) is None, "FedEM has no proximal term"
+    examples = centres_side.centre_examples(job.method.procedure, dev.JobDevice(job, 0))
+    assert trainer.round_state[centres_side.ANCHORS].posteriors.shape == (2, len(examples))
+    assert trainer.round_state[centres_side.ANCHORS].penalty(trainer.trainable) is None, "FedEM has no proximal term"
     dev.run_local_procedure(job, 0, trainer, seed=0)
     tensors, records = dev.upload(job, trainer)
     assert set(tensors) == set(dev.upload_reference(job, 0)) == {centre_key(s, "net.1.weight") for s in range(2)}
@@ -122,7 +124,7 @@ def test_a_device_sets_pi_by_em_trains_every_centre_and_sends_all_of_them(tmp_pa
         assert not torch.equal(trained[centre]["net.1.weight"], centres[centre]["net.1.weight"]), "trained"
     assert records["mixture"]["pi"] == pi
     evaluated = dev.restore_model(job, 0, None, state)
-    dev.local_model_of(job, 0, evaluated, trained, state)
+    centres_side.local_model_of(job.method.procedure, dev.JobDevice(job, 0, state), evaluated, trained)
     best = max(range(2), key=pi.__getitem__)
     torch.testing.assert_close(evaluated.state_dict()["net.1.weight"], trained[best]["net.1.weight"])
 

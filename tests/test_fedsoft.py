@@ -17,6 +17,7 @@ from ondevice_moe.federation import device as dev
 from ondevice_moe.federation.aggregation import Update
 from ondevice_moe.federation.job import Job
 from ondevice_moe.methods.base import MethodContext
+from ondevice_moe.methods.fedsoft import procedure as centres_side
 from ondevice_moe.methods.fedsoft.centres import (
     ProximalAnchors,
     centre_key,
@@ -175,12 +176,13 @@ def test_the_device_anchors_its_own_model_and_sends_its_importances():
     state = RecordDict()
     trainer = dev.restore_trainer(job, 0, None, state)
     own = {name: tensor.clone() for name, tensor in trainer.model.state_dict().items()}
-    chosen = dev.anchor_to_centres(job, 0, trainer, ArrayRecord(), state, server_round=1)
+    chosen = job.method.procedure.begin_round(dev.JobDevice(job, 0, state), trainer, None, 1)
     assert [name for name in chosen] == ["importance_0", "importance_1"]
     for name, tensor in trainer.model.state_dict().items():
         torch.testing.assert_close(tensor, own[name])  # the centres are read, not loaded
-    assert trainer.anchors.strength == 1.0 and len(trainer.anchors.centres) == 2
-    centres = dev.received_centres(job, None)
+    anchors = trainer.round_state[centres_side.ANCHORS]
+    assert anchors.strength == 1.0 and len(anchors.centres) == 2
+    centres = centres_side.received_centres(dev.JobDevice(job, 0), None)
     assert not torch.equal(centres[0]["net.1.weight"], centres[1]["net.1.weight"]), "seeded independently"
     _, records = dev.upload(job, trainer)
     assert records["mixture"]["pi"] == pytest.approx([chosen["importance_0"], chosen["importance_1"]])
@@ -190,11 +192,11 @@ def test_importances_are_kept_between_estimations():
     job = Job(load_recipe(TINY_FEDSOFT), 0, Path("."))
     state = RecordDict()
     trainer = dev.restore_trainer(job, 0, None, state)
-    dev.anchor_to_centres(job, 0, trainer, ArrayRecord(), state, server_round=1)
+    job.method.procedure.begin_round(dev.JobDevice(job, 0, state), trainer, None, 1)
     state["importance"]["u"] = [0.25, 0.75]
-    kept = dev.anchor_to_centres(job, 0, trainer, ArrayRecord(), state, server_round=2)  # τ = 2: no estimate
+    kept = job.method.procedure.begin_round(dev.JobDevice(job, 0, state), trainer, None, 2)  # τ = 2: no estimate
     assert kept == {"importance_0": 0.25, "importance_1": 0.75}
-    fresh = dev.anchor_to_centres(job, 0, trainer, ArrayRecord(), state, server_round=3)
+    fresh = job.method.procedure.begin_round(dev.JobDevice(job, 0, state), trainer, None, 3)
     assert fresh != kept
 
 
@@ -205,12 +207,14 @@ def test_an_ifca_device_trains_its_lowest_loss_centre_and_sends_the_choice():
     trainer = dev.restore_trainer(job, 0, None, state)
     near, far = torch.zeros(1, 10), torch.full((1, 10), 100.0)  # a zero map beats one far off on every example
     sent = ArrayRecord({centre_key(0, "net.1.weight"): far, centre_key(1, "net.1.weight"): near})
-    assert dev.anchor_to_centres(job, 0, trainer, sent, state, server_round=1) == {"centre": 1}
+    received = sent.to_torch_state_dict()
+    assert job.method.procedure.begin_round(dev.JobDevice(job, 0, state), trainer, received, 1) == {"centre": 1}
     torch.testing.assert_close(trainer.model.state_dict()["net.1.weight"], near)
-    assert trainer.anchors.penalty(trainer.trainable) is None, "IFCA has no proximal term"
+    assert trainer.round_state[centres_side.ANCHORS].penalty(trainer.trainable) is None, "IFCA has no proximal term"
     assert dev.upload(job, trainer)[1]["mixture"]["pi"] == [0.0, 1.0]
     evaluated = dev.restore_trainer(job, 0, None, state).model
-    dev.local_model_of(job, 0, evaluated, dev.received_centres(job, sent), state)
+    centres = centres_side.received_centres(dev.JobDevice(job, 0), received)
+    centres_side.local_model_of(job.method.procedure, dev.JobDevice(job, 0, state), evaluated, centres)
     torch.testing.assert_close(evaluated.state_dict()["net.1.weight"], near)
 
 
@@ -254,7 +258,7 @@ def test_impossible_centres_or_selection_say_how_to_fix_them(options, context, f
 def test_the_linear_model_has_no_intercept_and_only_small_models_drop_their_bias():
     job = Job(load_recipe(TINY_FEDSOFT), 0, Path("."))
     assert [name for name, _ in dev.build_model(job, 0).named_parameters()] == ["net.1.weight"]
-    assert list(dev.received_centres(job, None)[1]) == ["net.1.weight"]
+    assert list(centres_side.received_centres(dev.JobDevice(job, 0), None)[1]) == ["net.1.weight"]
     raw = yaml.safe_load(TINY_FEDSOFT.read_text())
     raw["model"], raw["task"], raw["methods"] = {"name": "tiny-bert", "bias": False}, {"name": "sst2"}, ["fed-ft"]
     with pytest.raises(UserError, match="small models"):

@@ -15,6 +15,7 @@ from ondevice_moe.export import export_user
 from ondevice_moe.federation import device as dev
 from ondevice_moe.federation.job import Job
 from ondevice_moe.likelihood import block_nll
+from ondevice_moe.methods.fedsoft import procedure as centres_side
 from ondevice_moe.methods.fedsoft.centres import example_losses, mixture_of, responsibilities, split_centres
 from ondevice_moe.recipe import load_recipe
 
@@ -27,18 +28,18 @@ def _job(tmp_path: Path, overrides: list[str] | None = None) -> Job:
 
 def test_lora_centres_start_apart_from_their_own_seeds_and_hold_what_a_client_uploads(tmp_path):
     job = _job(tmp_path)
-    first, second = dev.initial_centre(job, 0), dev.initial_centre(job, 1)
+    first, second = (centres_side.initial_centre(dev.JobDevice(job, 0), centre) for centre in (0, 1))
     assert set(first) == set(dev.upload_reference(job, 0)) and all(".adapters.shared." in n for n in first)
     b_names = [name for name in first if name.endswith("lora_B")]
     assert b_names and all(first[n].abs().sum() > 0 for n in b_names), "a zero B would start the centres equal"
     assert all(not torch.equal(first[n], second[n]) for n in b_names)
-    assert all(torch.equal(first[n], dev.initial_centre(job, 0)[n]) for n in first), "seeded"
+    assert all(torch.equal(first[n], centres_side.initial_centre(dev.JobDevice(job, 0), 0)[n]) for n in first), "seeded"
 
 
 def test_a_block_is_an_example_whose_loss_is_its_mean_next_token_loss(tmp_path):
     job = _job(tmp_path)
     model = dev.build_model(job, 0)
-    examples = dev.centre_examples(job, 0)
+    examples = centres_side.centre_examples(job.method.procedure, dev.JobDevice(job, 0))
     blocks = dev.device_split(job, 0, "train")
     losses = example_losses(model, examples, batch_size=5)
     assert losses.shape == (blocks.shape[0],)
@@ -49,9 +50,9 @@ def test_a_round_anchors_the_clients_lora_to_both_centres_and_sends_the_lora_wit
     job = _job(tmp_path)
     state = RecordDict()
     trainer = dev.restore_trainer(job, 0, None, state)
-    chosen = dev.anchor_to_centres(job, 0, trainer, None, state, server_round=1)
+    chosen = job.method.procedure.begin_round(dev.JobDevice(job, 0, state), trainer, None, 1)
     weights = [chosen["importance_0"], chosen["importance_1"]]
-    floor = job.method.procedure.centres.importance_floor  # u_s = max(n_s / n, σ): shares of the blocks, floored
+    floor = job.method.procedure.importance_floor  # u_s = max(n_s / n, σ): shares of the blocks, floored
     assert min(weights) >= floor and 1 <= sum(weights) <= 1 + 2 * floor
     tensors, records = dev.upload(job, trainer)
     assert tensors and all(".adapters.shared." in name for name in tensors)
@@ -67,13 +68,13 @@ def test_held_out_importances_score_the_centres_on_the_users_validation_blocks(t
     job = _job(tmp_path, [f"methods=[{method}]", "fedsoft.importance_split=valid", "data.valid_tokens=300"])
     valid, train = dev.device_split(job, 0, "valid"), dev.device_split(job, 0, "train")
     assert 1 < valid.shape[0] < train.shape[0]
-    assert torch.equal(dev.centre_examples(job, 0).blocks, valid)
+    assert torch.equal(centres_side.centre_examples(job.method.procedure, dev.JobDevice(job, 0)).blocks, valid)
     trainer = dev.restore_trainer(job, 0, None, RecordDict())
-    chosen = dev.anchor_to_centres(job, 0, trainer, None, RecordDict(), server_round=1)
+    chosen = job.method.procedure.begin_round(dev.JobDevice(job, 0, RecordDict()), trainer, None, 1)
     model = dev.build_model(job, 0)
     losses = []
     for centre in (0, 1):
-        model.load_state_dict(dev.initial_centre(job, centre), strict=False)
+        model.load_state_dict(centres_side.initial_centre(dev.JobDevice(job, 0), centre), strict=False)
         losses.append(block_nll(model, valid, 8))
     wins = (torch.stack(losses).argmin(dim=0) == 0).sum().item()
     if method == "fedsoft":
@@ -81,7 +82,8 @@ def test_held_out_importances_score_the_centres_on_the_users_validation_blocks(t
     else:
         assert chosen["centre"] == int(torch.stack(losses).sum(dim=1).argmin())
     fedem = _job(tmp_path, ["methods=[fedem]", "fedsoft.importance_split=valid", "data.valid_tokens=300"])
-    assert torch.equal(dev.centre_examples(fedem, 0).blocks, dev.device_split(fedem, 0, "train"))
+    scored = centres_side.centre_examples(fedem.method.procedure, dev.JobDevice(fedem, 0))
+    assert torch.equal(scored.blocks, dev.device_split(fedem, 0, "train"))
 
 
 def test_each_source_is_scored_alone_by_every_centre_and_a_centre_exports_as_a_peft_adapter(tmp_path):
@@ -105,7 +107,7 @@ def test_each_source_is_scored_alone_by_every_centre_and_a_centre_exports_as_a_p
     result = export_user(tmp_path / "run", "fedsoft", "news-90", tmp_path / "centre-0", fmt="peft", centre=0)
     [folder] = result.peft_folders
     model = dev.build_model(job, 1)
-    dev.load_centre(job, 0, model)
+    dev.load_server_model(job, 0, model)
     ids = torch.randint(3, 256, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         expected = model.eval()(input_ids=ids).logits
@@ -116,19 +118,19 @@ def test_each_source_is_scored_alone_by_every_centre_and_a_centre_exports_as_a_p
         assert not torch.allclose(own.eval()(input_ids=ids).logits, expected, atol=1e-4), "a centre, not the user's"
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     with pytest.raises(UserError, match="never formed"):
-        dev.load_centre(job, 5, model)
+        dev.load_server_model(job, 5, model)
 
 
 def test_a_fedem_round_trains_both_lora_centres_on_weighted_blocks_and_sends_both(tmp_path):
     job = _job(tmp_path, ["methods=[fedem]"])
     state = RecordDict()
     trainer = dev.restore_trainer(job, 0, None, state)
-    received = dev.received_centres(job, None)
-    chosen = dev.anchor_to_centres(job, 0, trainer, None, state, server_round=1)
+    received = centres_side.received_centres(dev.JobDevice(job, 0), None)
+    chosen = job.method.procedure.begin_round(dev.JobDevice(job, 0, state), trainer, None, 1)
     assert sum(chosen.values()) == pytest.approx(1.0)
-    assert trainer.anchors.posteriors.shape == (2, dev.device_split(job, 0, "train").shape[0])
+    assert trainer.round_state[centres_side.ANCHORS].posteriors.shape == (2, dev.device_split(job, 0, "train").shape[0])
     metrics, blocks = dev.run_local_procedure(job, 0, trainer, seed=0)
-    assert metrics["train_loss"] > 0 and blocks == trainer.anchors.posteriors.shape[1]
+    assert metrics["train_loss"] > 0 and blocks == trainer.round_state[centres_side.ANCHORS].posteriors.shape[1]
     tensors, records = dev.upload(job, trainer)
     reference = dev.upload_reference(job, 0)
     assert set(tensors) == set(reference) and all(".adapters.shared." in name for name in tensors)
@@ -145,16 +147,16 @@ def test_fedems_e_step_scores_a_block_by_its_summed_token_loss_or_the_codes_mean
     code by exp(−mean token loss). The device's π is the mean of whichever posteriors."""
     job = _job(tmp_path, ["methods=[fedem]", f"fedsoft.fedem_block_loss={block_loss}"])
     trainer = dev.restore_trainer(job, 0, None, RecordDict())
-    chosen = dev.anchor_to_centres(job, 0, trainer, None, RecordDict(), server_round=1)
+    chosen = job.method.procedure.begin_round(dev.JobDevice(job, 0, RecordDict()), trainer, None, 1)
     blocks = dev.device_split(job, 0, "train")
     model = dev.build_model(job, 0)
     summed = []
     for centre in (0, 1):
-        model.load_state_dict(dev.initial_centre(job, centre), strict=False)
+        model.load_state_dict(centres_side.initial_centre(dev.JobDevice(job, 0), centre), strict=False)
         summed.append(block_nll(model, blocks, 8))
     scores = torch.stack(summed) / (1 if block_loss == "sum" else blocks.shape[1] - 1)
     expected = responsibilities(scores, [0.5, 0.5])
     tempered = responsibilities(torch.stack(summed) / (blocks.shape[1] - 1), [0.5, 0.5])
     assert (responsibilities(torch.stack(summed), [0.5, 0.5]) - tempered).abs().max() > 1e-3, "the two differ"
-    torch.testing.assert_close(trainer.anchors.posteriors, expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(trainer.round_state[centres_side.ANCHORS].posteriors, expected, rtol=1e-4, atol=1e-4)
     assert [chosen["importance_0"], chosen["importance_1"]] == pytest.approx(mixture_of(expected), abs=1e-4)

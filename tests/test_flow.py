@@ -17,7 +17,7 @@ from ondevice_moe.federation.device_state import private_tensors
 from ondevice_moe.federation.evaluation import evaluate_device
 from ondevice_moe.federation.job import Job
 from ondevice_moe.layout import ExpertSpec, Layout, RouterSpec, attach_layout
-from ondevice_moe.methods.flow.procedure import flow_round, round_key, split_halves, training_rows
+from ondevice_moe.methods.flow.procedure import adapted_for_test, flow_round, round_key, split_halves, training_rows
 from ondevice_moe.models.small import small_model
 from ondevice_moe.recipe import load_recipe, validate_recipe
 from ondevice_moe.routing.instance_policy import InstancePolicyRouter, instance_policy, policy_regulariser
@@ -248,7 +248,7 @@ def test_each_round_splits_the_examples_afresh_unless_the_split_is_fixed(split, 
     """Alg. 1 line 6 draws ζ_ℓ, ζ_g inside the round loop (``per-round``); the authors' code
     shards the same way every round (``fixed``)."""
     job, trainer, examples = _trainer([f"flow.zeta_split={split}"])
-    procedure = job.method.procedure.flow
+    procedure = job.method.procedure
     halves = []
     for _ in range(2):
         halves.append(training_rows(procedure, len(examples), round_key(procedure, trainer, seed=0)))
@@ -285,8 +285,8 @@ def test_an_adapted_test_fine_tunes_the_local_copies_and_psi_from_the_received_m
     flow_round(trainer, examples, job.recipe.task.batch_size, seed=0)
     model = trainer.model
     before = {n: t.clone() for n, t in model.state_dict().items()}
-    adapted = dev.adapted_for_test(job, 0, model)
-    again = dev.adapted_for_test(job, 0, model)
+    adapted = adapted_for_test(dev.JobDevice(job, 0), model)
+    again = adapted_for_test(dev.JobDevice(job, 0), model)
     assert adapted is not model
     for name, tensor in model.state_dict().items():
         assert torch.equal(tensor, before[name]), f"{name} of the device's own model moved"
@@ -303,8 +303,8 @@ def test_an_adapted_test_fine_tunes_the_local_copies_and_psi_from_the_received_m
         Job(load_recipe(TINY_FLOW), 0, Path(".")), 0, model)["user_0/score_global"])
     as_trained = Job(load_recipe(TINY_FLOW), 0, Path("."))
     ditto = Job(load_recipe(TINY_FLOW, ["methods=[ditto]", "flow.evaluation=adapted"]), 0, Path("."))
-    assert dev.adapted_for_test(as_trained, 0, model) is model
-    assert dev.adapted_for_test(ditto, 0, model) is model, "Ditto's personal model is tested as trained"
+    assert adapted_for_test(dev.JobDevice(as_trained, 0), model) is model
+    assert adapted_for_test(dev.JobDevice(ditto, 0), model) is model, "Ditto's personal model is tested as trained"
 
 
 def test_sgd_takes_the_recipes_momentum_which_adamw_refuses():

@@ -150,7 +150,7 @@ def test_a_language_model_adapted_before_its_test_keeps_its_global_perplexity(tm
     and ψ adapted on its training blocks; the global path's perplexity is the model's own."""
     job = _job("tiny.yaml", [*FLOW, "flow.evaluation=adapted"], tmp_path)
     trainer = dev.restore_trainer(job, 0, None, RecordDict())
-    flow_round(trainer, *dev.flow_examples(job, 0), seed=0)
+    flow_round(trainer, dev.JobDevice(job, 0).training_examples(), dev.JobDevice(job, 0).batch_size, seed=0)
     as_trained = _job("tiny.yaml", FLOW, tmp_path)
     adapted = evaluate_device(job, 0, trainer.model)
     plain = evaluate_device(as_trained, 0, trainer.model)

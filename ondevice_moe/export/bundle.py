@@ -56,9 +56,9 @@ def export_user(run_dir: Path, method: str, user: str, to: Path, experts: list[s
     _check_target(Path(to), force)
     user_model = open_user_model(Path(run_dir), method, user, device)
     if centre is not None:
-        from ondevice_moe.federation.device import load_centre
+        from ondevice_moe.federation.device import load_server_model
 
-        load_centre(user_model.job, centre, user_model.model)
+        load_server_model(user_model.job, centre, user_model.model)
     parts = model_parts(user_model)
     selected = select_parts(parts, experts or ["shared"])
     if fmt == "peft":

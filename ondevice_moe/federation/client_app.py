@@ -1,15 +1,13 @@
 """The Flower ClientApp: one device's side of every method.
 
-``train``: rebuild the device's model from the server's shared tensors and the
-private state in ``context.state`` (for PCL, first average the peers' models the
-server relayed; for FedSoft, anchor its own model to the centres), run the method's local
-procedure, keep the private part, and reply with the shared part only (plus, for Hermes, each
-uploaded expert's usage count; for FLoRAL, the client's mixture π; for FedSoft and IFCA,
-its weights over the centres). ``evaluate``: for language modelling, test
-perplexity in distribution (the user's own test split) and out of
-distribution (the union of all users' test splits); for classification, the
-task's metric on the client's own test split (FedSoft: with the client's own model; IFCA:
-with its centre), and on device 0 every centre's score on every source's test set.
+``train``: rebuild the device's model from the private state in ``context.state`` and the
+server's shared tensors (loaded, or only read where the method's procedure reads them: PCL's
+peers, FedSoft's centres), let the method's procedure begin, run and end the round
+(:class:`~ondevice_moe.methods.procedure.Procedure`), keep the private part, and reply with the
+shared part only, with the records the server weighs it by. ``evaluate``: the method's test of
+the device's model (:mod:`~ondevice_moe.federation.evaluation`): for language modelling, test
+perplexity in distribution (the user's own test split) and out of distribution (the union of all
+users' test splits); for classification, the task's metric on the client's own test split.
 ``query``: the device's index (``partition-id``), so the server knows which node holds which user.
 Shared tensors travel encoded both ways (``federation.transport``,
 :mod:`ondevice_moe.federation.transport`): the device decodes what it receives and encodes what it sends.
@@ -33,7 +31,7 @@ from flwr.supercore import log as flwr_log
 
 from ondevice_moe.federation import device as dev
 from ondevice_moe.federation.device_state import enter_method, persist_context, resume_context
-from ondevice_moe.federation.evaluation import centre_scores, evaluate_device, mixture_scores, scores_every_source
+from ondevice_moe.federation.evaluation import evaluate_device, prepare_test
 from ondevice_moe.federation.faults import fault_mod
 from ondevice_moe.federation.job import Job, device_job, message_method
 from ondevice_moe.federation.node import REFUSED
@@ -55,6 +53,10 @@ def _stored_state(job: Job, context: Context) -> dict[str, int]:
     resumed = resume_context(job, context)
     enter_method(job, context)
     return {"resumed_round": resumed} if resumed else {}
+
+
+def _tensors(arrays: ArrayRecord | None) -> dict[str, torch.Tensor] | None:
+    return arrays.to_torch_state_dict() if arrays is not None and len(arrays) > 0 else None
 
 
 def _received(job: Job, msg: Message) -> ArrayRecord | None:
@@ -104,12 +106,8 @@ def train(msg: Message, context: Context) -> Message:
     arrays = _received(job, msg)
     procedure = job.method.procedure
     server_round = int(msg.content["config"]["server-round"])
-    # PCL's peers and FedSoft's centres are read, not loaded: the device trains on from its own model.
-    reads_arrays = procedure.peer_mixing or procedure.centres is not None
-    trainer = dev.restore_trainer(job, device, None if reads_arrays else arrays, context.state)
-    trust = dev.mix_relayed_peers(job, device, trainer, arrays) if procedure.peer_mixing else {}
-    chosen = dev.anchor_to_centres(job, device, trainer, arrays, context.state, server_round) \
-        if procedure.centres is not None else {}
+    trainer = dev.restore_trainer(job, device, arrays if procedure.loads_received else None, context.state)
+    chosen = procedure.begin_round(dev.JobDevice(job, device, context.state), trainer, _tensors(arrays), server_round)
     privacy = job.recipe.privacy
     start = dev.travelling_state(job, trainer) if privacy.enabled else {}
     seed = dev.device_seed(job, device)
@@ -120,7 +118,7 @@ def train(msg: Message, context: Context) -> Message:
     metrics, examples = dev.run_local_procedure(job, device, trainer, seed)
     dev.save_private_state(job, device, trainer, context.state)
     persist_context(job, context, server_round)
-    metrics.update({**trust, **chosen, **resumed, "device": device, "num-examples": examples})
+    metrics.update({**chosen, **resumed, "device": device, "num-examples": examples})
     tensors, records = dev.upload(job, trainer)
     if privacy.enabled:
         tensors, figures = privatize(start, tensors, privacy, noise_generator(job.recipe.seed, device, server_round))
@@ -140,16 +138,10 @@ def evaluate(msg: Message, context: Context) -> Message:
     device = _device_index(context)
     _stored_state(job, context)
     arrays = _received(job, msg)
-    centred = job.method.procedure.centres is not None
-    model = dev.restore_model(job, device, None if centred else arrays, context.state)
-    scores = {}
-    if centred:
-        centres = dev.received_centres(job, arrays)
-        if job.method.procedure.centres.trains_every_centre:  # FedEM: its mixture prediction too
-            scores = mixture_scores(job, device, model, centres, dev.device_mixture(context.state, len(centres)))
-        dev.local_model_of(job, device, model, centres, context.state)
-        scores |= centre_scores(job, model, centres) if device == 0 and scores_every_source(job) else {}
-    metrics = {**evaluate_device(job, device, model), **scores}
+    loads = job.method.procedure.loads_received
+    model = dev.restore_model(job, device, arrays if loads else None, context.state)
+    scores = prepare_test(job, device, model, None if loads else _tensors(arrays), context.state)
+    metrics = {**evaluate_device(job, device, model, context.state), **scores}
     metrics["device"] = device
     if msg.content["config"].get("final", False) and job.method.trains:
         dev.save_checkpoint(job, device, model)

@@ -6,11 +6,13 @@ the server plus private state kept by :mod:`~ondevice_moe.federation.device_stat
 from __future__ import annotations
 
 import copy
-import zlib
+from collections.abc import MutableMapping
+from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import Any
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, RecordDict
+from flwr.app import ArrayRecord, RecordDict
 from torch import nn
 
 from ondevice_moe.data.classification import FederatedTask, build_federated_task
@@ -18,36 +20,18 @@ from ondevice_moe.data.small import SmallFederatedTask, build_small_task
 from ondevice_moe.data.sources import device_source_kind
 from ondevice_moe.data.splits import BlockExamples, SourceSpec, UserData, build_user_data
 from ondevice_moe.errors import UserError
-from ondevice_moe.example_loss import WeightedExamples
 from ondevice_moe.federation import device_state
 from ondevice_moe.federation.job import Job
 from ondevice_moe.federation.node import FIX
-from ondevice_moe.federation.peers import mix_peers, split_peers
-from ondevice_moe.federation.rank_pruning import fit_received
 from ondevice_moe.layout import attach_layout, hermes_routers
 from ondevice_moe.methods import Method, Role
-from ondevice_moe.methods.fedsoft.centres import (
-    ProximalAnchors,
-    Tensors,
-    centre_key,
-    centre_losses,
-    centre_seed,
-    example_nll,
-    hard_assignment,
-    importance_weights,
-    mixture_of,
-    responsibilities,
-    split_centres,
-)
-from ondevice_moe.methods.flow.procedure import adapt_for_test, adapts_before_test, flow_round
 from ondevice_moe.models import LoadedModel, load_base_model
 from ondevice_moe.models.checkpointing import enable_activation_checkpointing
 from ondevice_moe.names import folder_name
 from ondevice_moe.recipe import SourceSection
 from ondevice_moe.routing import client_mixture
+from ondevice_moe.sampling import batch_sampler, epoch_sampler
 from ondevice_moe.training import DeviceTrainer, trainable_state
-
-IMPORTANCE_KEY = "importance"
 
 
 @lru_cache(maxsize=2)
@@ -222,7 +206,7 @@ def head_paths(model: nn.Module) -> tuple[str, ...]:
 def restore_model(job: Job, device: int, shared: ArrayRecord | None, state: RecordDict) -> nn.Module:
     """The device's model to evaluate: fresh experts, then its private tensors, then the server's."""
     model = build_model(job, device)
-    _load_tensors(model, device_state.private_tensors(state), shared)
+    _load_tensors(job.method, model, device_state.private_tensors(state), shared)
     return model
 
 
@@ -233,19 +217,21 @@ def restore_trainer(job: Job, device: int, shared: ArrayRecord | None, state: Re
         enable_activation_checkpointing(model)
     trainer = DeviceTrainer(model, job.method, job.training)
     private, optimizer = device_state.load_device_state(state, with_optimizer=True)
-    _load_tensors(model, private, shared)
+    _load_tensors(job.method, model, private, shared)
     if optimizer is not None:
         trainer.load_optimizer_state(optimizer)
     return trainer
 
 
-def _load_tensors(model: nn.Module, private: dict[str, torch.Tensor], shared: ArrayRecord | None) -> None:
-    """Load a device's private tensors, then the server's shared ones, into ``model``."""
+def _load_tensors(method: Method, model: nn.Module, private: dict[str, torch.Tensor], shared: ArrayRecord | None
+                  ) -> None:
+    """Load a device's private tensors, then the server's shared ones (fitted to the model by the
+    method's procedure), into ``model``."""
     tensors = dict(private)
     if shared is not None and len(shared) > 0:
         tensors.update(shared.to_torch_state_dict())
     if tensors:
-        tensors = fit_received(model, tensors)  # HetLoRA sends pruned modules at their kept rank
+        tensors = method.procedure.fit_received(model, tensors)
         check_received(model.state_dict(), tensors)
         model.load_state_dict(tensors, strict=False)
 
@@ -274,118 +260,6 @@ def check_received(own: dict[str, torch.Tensor], received: dict[str, torch.Tenso
             raise ValueError(f"received tensor {name} is {tensor.dtype}; this device's is {mine.dtype}")
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
             raise ValueError(f"received tensor {name} holds non-finite values; this device will not train on it")
-
-
-def mix_relayed_peers(job: Job, device: int, trainer: DeviceTrainer, arrays: ArrayRecord | None) -> dict[str, float]:
-    """PCL: replace the device's model by its peers' models weighted by trust on its validation
-    split (:func:`~ondevice_moe.federation.peers.mix_peers`); ``trust_<j>`` per peer, or
-    nothing on a round without relayed models."""
-    if arrays is None or len(arrays) == 0:
-        return {}
-    peers = split_peers(arrays.to_torch_state_dict())
-    weights = mix_peers(trainer.model, peers, device_split(job, device, "valid"), job.recipe.data.eval_batch_size)
-    return {f"trust_{peer}": weight for peer, weight in weights.items()}
-
-
-def received_centres(job: Job, arrays: ArrayRecord | None) -> dict[int, Tensors]:
-    """All S cluster centres: those the server sent, the others (not aggregated yet) from their seeds."""
-    sent = split_centres(arrays.to_torch_state_dict()) if arrays is not None and len(arrays) > 0 else {}
-    return {centre: sent.get(centre) or initial_centre(job, centre) for centre in range(job.server_rule.clusters)}
-
-
-def initial_centre(job: Job, centre: int) -> Tensors:
-    """Centre ``centre`` as first drawn: the recipe's model built from the centre's own seed; of
-    cluster adapters, the LoRA (and head) from that seed with a random ``B`` (``lora_spread``)."""
-    if job.method.layouts[0] is not None:
-        return _initial_adapter_centre(job, centre)
-    model, spec = job.recipe.model, job.recipe.task.spec()
-    with torch.random.fork_rng(devices=[]):
-        loaded = load_base_model(model.name, model.dtype, model.quantization, spec.num_labels,
-                                 centre_seed(job.recipe.seed, centre), model.device,
-                                 regression=spec.is_regression, input_shape=spec.input_shape,
-                                 model_options=small_model_options(model.bias))
-    return dict(loaded.model.state_dict())
-
-
-def _initial_adapter_centre(job: Job, centre: int) -> Tensors:
-    seed = centre_seed(job.recipe.seed, centre)
-    model = build_model(job, 0, seed=seed)
-    generator = torch.Generator().manual_seed(seed)
-    spread = job.method.procedure.centres.lora_spread
-    tensors = {name: tensor.detach().clone() for name, tensor in trainable_state(model).items()
-               if travels(job.method, name)}
-    for name, tensor in tensors.items():
-        if name.endswith("lora_B"):
-            tensor.copy_(spread * torch.randn(tensor.shape, generator=generator))
-    return tensors
-
-
-def centre_examples(job: Job, device: int):
-    """The examples a device scores the centres on: a language model's blocks of the method's
-    split (``CentreProcedure.scored_on``: its training blocks, or its held-out validation blocks),
-    or a task's training examples."""
-    if job.recipe.is_language_modelling:
-        return BlockExamples(device_split(job, device, job.method.procedure.centres.scored_on))
-    return federated_task(job).train[device]
-
-
-def anchor_to_centres(job: Job, device: int, trainer: DeviceTrainer, arrays: ArrayRecord | None,
-                      state: RecordDict, server_round: int) -> dict[str, float]:
-    """Set up a round against the centres (FedSoft Alg. 1, IFCA); returns what the device chose.
-
-    FedSoft: every τ rounds (and on a device's first round) the importances ``u_k`` are
-    re-estimated on the training examples and kept in ``context.state`` (lines 3–13);
-    the device's own model is anchored to all centres by them (eq. 4). IFCA: the model
-    becomes the centre with the lowest loss on the training examples, trained without a
-    proximal term. FedEM: the E-step weighs each training example over the centres from the
-    mixture π kept in ``context.state`` (uniform at first), and the M-step sets π from them.
-    Either way the weights travel with the update (:func:`upload`)."""
-    procedure = job.method.procedure.centres
-    centres = received_centres(job, arrays)
-    examples = centre_examples(job, device)
-    losses = centre_losses(copy.deepcopy(trainer.model), centres, examples)
-    ordered = tuple(centres[c] for c in sorted(centres))
-    if procedure.assignment == "em":
-        scores = example_nll(losses, examples, procedure.block_loss)
-        posteriors = responsibilities(scores, device_mixture(state, len(centres)))
-        mixture = mixture_of(posteriors)
-        state[IMPORTANCE_KEY] = ConfigRecord({"u": mixture})
-        trainer.anchors = ProximalAnchors(ordered, tuple(mixture), 0.0, posteriors)
-        return {f"importance_{centre}": weight for centre, weight in enumerate(mixture)}
-    if procedure.assignment == "hard":
-        chosen = hard_assignment(losses)
-        trainer.model.load_state_dict(centres[chosen], strict=False)
-        weights = [float(centre == chosen) for centre in sorted(centres)]
-        trainer.anchors = ProximalAnchors(ordered, tuple(weights), 0.0)
-        return {"centre": chosen}
-    if (server_round - 1) % procedure.estimation_interval == 0 or IMPORTANCE_KEY not in state:
-        state[IMPORTANCE_KEY] = ConfigRecord({"u": importance_weights(losses, procedure.importance_floor)})
-    weights = device_mixture(state, len(centres))
-    trainer.anchors = ProximalAnchors(ordered, tuple(weights), procedure.proximal_lambda)
-    return {f"importance_{centre}": weight for centre, weight in enumerate(weights)}
-
-
-def device_mixture(state: RecordDict, clusters: int) -> list[float]:
-    """The device's weights over the centres as it last set them (FedSoft's u_k, FedEM's π),
-    uniform before its first round."""
-    if IMPORTANCE_KEY in state:
-        return [float(weight) for weight in state[IMPORTANCE_KEY]["u"]]
-    return [1.0 / clusters] * clusters
-
-
-def local_model_of(job: Job, device: int, model: nn.Module, centres: dict[int, Tensors],
-                   state: RecordDict) -> None:
-    """The model a device of a clustered method is tested with: FedSoft's own ``w_k`` (already
-    in ``model``), IFCA's lowest-loss centre, FedEM's centre of largest π (FedSoft §5: "the
-    center corresponding to the largest importance weight as a client's local model"; FedEM's
-    own prediction, the π-mixture of the centres' outputs, is not built)."""
-    assignment = job.method.procedure.centres.assignment
-    if assignment == "hard":
-        losses = centre_losses(copy.deepcopy(model), centres, centre_examples(job, device))
-        model.load_state_dict(centres[hard_assignment(losses)], strict=False)
-    elif assignment == "em":
-        mixture = device_mixture(state, len(centres))
-        model.load_state_dict(centres[max(range(len(mixture)), key=mixture.__getitem__)], strict=False)
 
 
 def save_private_state(job: Job, device: int, trainer: DeviceTrainer, state: RecordDict) -> None:
@@ -448,33 +322,22 @@ def upload_reference(job: Job, device: int) -> dict[str, torch.Tensor]:
     model = build_model(job, device)
     one = {name: torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
            for name, tensor in trainable_state(model).items() if travels(job.method, name)}
-    if not _trains_every_centre(job):
-        return one
-    return {centre_key(centre, name): tensor for centre in range(job.server_rule.clusters)
-            for name, tensor in one.items()}
-
-
-def _trains_every_centre(job: Job) -> bool:
-    """FedEM: the device trains and sends every centre."""
-    return job.method.procedure.centres is not None and job.method.procedure.centres.trains_every_centre
+    return job.method.procedure.upload_reference(one)
 
 
 def upload(job: Job, trainer: DeviceTrainer) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
     """What the device sends after a round: its shared tensors and the numbers the server
     weighs them by — ``usage``: each uploaded expert tensor's usage count, when the server
-    weighs experts by usage (Hermes); ``mixture``: the client's ``π`` (FLoRAL Alg. 1 line 12),
-    or its weights over the cluster centres (FedSoft's ``u_k``, IFCA's one-hot choice, FedEM's π).
-    FedEM's tensors are every centre it trained (``trainer.uploads``), not the model's."""
-    tensors = shared_state(trainer) if trainer.uploads is None else trainer.uploads
+    weighs experts by usage (Hermes); ``mixture``: the client's ``π`` (FLoRAL Alg. 1 line 12);
+    then whatever the method's procedure changes (:meth:`~ondevice_moe.methods.procedure.Procedure.upload`)."""
+    tensors = shared_state(trainer)
     records: dict[str, dict] = {}
     if job.method.sharing.selected_only:
         records["usage"] = {name: count for name, count in expert_usage(trainer.model).items() if name in tensors}
     mixture = client_mixture(trainer.model)
     if mixture is not None:
         records["mixture"] = {"pi": mixture}
-    if trainer.anchors is not None and job.method.procedure.centres is not None:
-        records["mixture"] = {"pi": list(trainer.anchors.weights)}
-    return tensors, records
+    return job.method.procedure.upload(trainer, tensors, records)
 
 
 def expert_usage(model: nn.Module) -> dict[str, float]:
@@ -491,30 +354,6 @@ def start_round(model: nn.Module) -> None:
     """Reset the routers' usage counts: each upload reports one round's usage."""
     for router in hermes_routers(model):
         router.usage.zero_()
-
-
-def epoch_sampler(examples, batch_size: int, seed: int):
-    """``sample(i)``: batch ``i`` of seeded epoch permutations of a client's examples."""
-    per_epoch = max(1, -(-len(examples) // batch_size))
-
-    def sample(index: int) -> dict[str, torch.Tensor]:
-        epoch, position = divmod(index - 1, per_epoch)
-        order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(
-            zlib.crc32(f"{seed}:epoch:{epoch}".encode())))
-        return examples.batch(order[position * batch_size : (position + 1) * batch_size])
-
-    return sample, per_epoch
-
-
-def batch_sampler(blocks: torch.Tensor, batch_size: int, seed: int, stream: str):
-    """``sample(i)``: a batch of random blocks, the same for the same ``(seed, stream, i)``."""
-
-    def sample(index: int) -> dict[str, torch.Tensor]:
-        generator = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{stream}:{index}".encode()))
-        rows = torch.randint(0, blocks.shape[0], (batch_size,), generator=generator)
-        return {"input_ids": blocks[rows], "labels": blocks[rows]}
-
-    return sample
 
 
 def checkpoint_path(job: Job, device: int):
@@ -560,28 +399,29 @@ def save_server_checkpoint(job: Job, tensors: dict[str, torch.Tensor]) -> None:
     save_file({name: tensor.detach().contiguous().cpu() for name, tensor in tensors.items()}, str(path))
 
 
-def formed_centres(job: Job) -> dict[int, Tensors]:
-    """The cluster centres the server of a finished FedSoft, IFCA or FedEM run formed (a centre no
-    client ever contributed to is not among them); a method without centres or a missing file ends
-    with a clear message."""
+def server_models_of(job: Job) -> dict[int, dict[str, torch.Tensor]]:
+    """The models the server of a finished run formed and kept (FedSoft's, IFCA's or FedEM's cluster
+    centres; one no client ever contributed to is not among them); a method whose server keeps none
+    or a missing file ends with a clear message."""
     from safetensors.torch import load_file
 
-    if job.method.procedure.centres is None:
+    if not job.method.procedure.server_keeps_models:
         raise UserError(f"method '{job.method.name}' has no cluster centres", "export a fedsoft, ifca or fedem method")
     path = server_checkpoint_path(job)
     if not path.is_file():
         raise UserError(f"no centres for method '{job.method.name}': {path} is missing",
                         "rerun the recipe with this version of ondevice-moe (earlier runs did not keep the centres)")
-    return split_centres(load_file(str(path)))
+    return job.method.procedure.server_models(load_file(str(path)))
 
 
-def load_centre(job: Job, centre: int, model: nn.Module) -> None:
-    """Load cluster centre ``centre`` of a finished FedSoft, IFCA or FedEM run into ``model``; a method
-    without centres, a centre the server never formed or a missing file ends with a clear message."""
-    centres = formed_centres(job)
-    if centre not in centres:
-        raise UserError(f"centre {centre} was never formed in this run", f"use one of: {sorted(centres)}")
-    model.load_state_dict(centres[centre], strict=False)
+def load_server_model(job: Job, index: int, model: nn.Module) -> None:
+    """Load the server's model ``index`` of a finished run (FedSoft's, IFCA's or FedEM's cluster centre)
+    into ``model``; a method without one, one the server never formed or a missing file ends with a
+    clear message."""
+    kept = server_models_of(job)
+    if index not in kept:
+        raise UserError(f"centre {index} was never formed in this run", f"use one of: {sorted(kept)}")
+    model.load_state_dict(kept[index], strict=False)
 
 
 def load_checkpoint(job: Job, device: int, model: nn.Module) -> None:
@@ -615,33 +455,25 @@ def load_checkpoint(job: Job, device: int, model: nn.Module) -> None:
 
 def run_local_procedure(job: Job, device: int, trainer: DeviceTrainer, seed: int) -> tuple[dict[str, float], int]:
     """Run the method's local procedure for one round; returns train metrics and the example count."""
-    if _trains_every_centre(job):
-        return _train_every_centre(job, device, trainer, seed)
+    return job.method.procedure.train_round(JobDevice(job, device, seed=seed), trainer)
+
+
+def train_steps(job: Job, device: int, trainer: DeviceTrainer, seed: int) -> tuple[dict[str, float], int]:
+    """Plain local training: a language model's ``local_iterations`` expert steps on random blocks of
+    the training split, with router phases on the router split; a classifier's steps over seeded
+    epochs of its examples (the trainer's iteration count runs on across rounds, and so do the epochs)."""
     if job.recipe.is_language_modelling:
-        return _train_language_model(job, device, trainer, seed)
-    return _train_classifier(job, device, trainer, seed)
-
-
-def _train_language_model(job: Job, device: int, trainer: DeviceTrainer, seed: int) -> tuple[dict, int]:
-    if job.method.procedure.flow is not None:  # Flow, FedAvgFT: epochs over the halves of the blocks
-        return flow_round(trainer, *flow_examples(job, device), seed)
-    batch = _language_model_batch(job, device)
-    train_blocks = device_split(job, device, "train")
-    router_split = job.method.procedure.router_data
-    metrics = trainer.train_iterations(
-        job.recipe.federation.local_iterations,
-        batch_sampler(train_blocks, batch, seed, "train"),
-        batch_sampler(router_blocks(job, device), batch, seed, f"router-{router_split}"),
-    )
-    return metrics, int(train_blocks.shape[0])
-
-
-def _train_classifier(job: Job, device: int, trainer: DeviceTrainer, seed: int) -> tuple[dict, int]:
-    if job.method.procedure.flow is not None:
-        return flow_round(trainer, *flow_examples(job, device), seed)
+        batch = _language_model_batch(job, device)
+        train_blocks = device_split(job, device, "train")
+        router_split = job.method.procedure.router_data
+        metrics = trainer.train_iterations(
+            job.recipe.federation.local_iterations,
+            batch_sampler(train_blocks, batch, seed, "train"),
+            batch_sampler(router_blocks(job, device), batch, seed, f"router-{router_split}"),
+        )
+        return metrics, int(train_blocks.shape[0])
     examples = federated_task(job).train[device]
     sampler, per_epoch = epoch_sampler(examples, job.recipe.task.batch_size, seed)
-    # The trainer's iteration count runs on across rounds, and so do the epochs.
     metrics = trainer.train_iterations(_local_steps(job, per_epoch), sampler, sampler)
     return metrics, len(examples)
 
@@ -652,26 +484,90 @@ def _language_model_batch(job: Job, device: int) -> int:
     return job.recipe.data.batch_size * len(users_of_device(job, device))
 
 
-def flow_examples(job: Job, device: int) -> tuple[object, int]:
-    """The training examples a round of Flow, FedAvgFT, Ditto or APFL runs over (a language
-    model's blocks, a classifier's examples), and its batch size."""
-    if job.recipe.is_language_modelling:
-        return BlockExamples(device_split(job, device, "train")), _language_model_batch(job, device)
-    return federated_task(job).train[device], job.recipe.task.batch_size
+@dataclass
+class JobDevice:
+    """Device ``index`` of a job, as a method's procedure sees it
+    (:class:`~ondevice_moe.methods.procedure.OnDevice`): its seed (default :func:`device_seed`),
+    what it keeps between rounds (``state``), its own data and the recipe's settings. Scoring a
+    model belongs to a test (:class:`~ondevice_moe.federation.evaluation.TestedDevice`)."""
 
+    job: Job
+    index: int
+    state: MutableMapping[str, Any] = field(default_factory=RecordDict)
+    seed: int = -1
 
-def adapted_for_test(job: Job, device: int, model: nn.Module) -> nn.Module:
-    """The model a Flow-family device is tested with: with ``evaluation: adapted``, a copy of
-    ``model`` adapted on the device's training data (:func:`~ondevice_moe.methods.flow.procedure.adapt_for_test`,
-    seeded by the device, so ``ondevice-moe eval`` repeats it); else ``model`` itself."""
-    if not adapts_before_test(job.method.procedure.flow):
-        return model
-    twin = build_model(job, device)  # its own router: the routed layers read their gates from it
-    twin.load_state_dict(model.state_dict())
-    trainer = DeviceTrainer(twin, job.method, job.training)
-    adapt_for_test(trainer, *flow_examples(job, device), device_seed(job, device))
-    trainer.model.eval()
-    return trainer.model
+    def __post_init__(self) -> None:
+        if self.seed < 0:
+            self.seed = device_seed(self.job, self.index)
+
+    @property
+    def method(self) -> Method:
+        return self.job.method
+
+    @property
+    def recipe_seed(self) -> int:
+        return self.job.recipe.seed
+
+    @property
+    def is_language_modelling(self) -> bool:
+        return self.job.recipe.is_language_modelling
+
+    @property
+    def batch_size(self) -> int:
+        if self.is_language_modelling:
+            return _language_model_batch(self.job, self.index)
+        return self.job.recipe.task.batch_size
+
+    @property
+    def eval_batch_size(self) -> int:
+        recipe = self.job.recipe
+        return recipe.data.eval_batch_size if self.is_language_modelling else recipe.task.eval_batch_size
+
+    def local_steps(self, per_epoch: int) -> int:
+        return _local_steps(self.job, per_epoch)
+
+    def blocks(self, split: str) -> torch.Tensor:
+        return device_split(self.job, self.index, split)
+
+    def training_examples(self) -> Any:
+        if self.is_language_modelling:
+            return BlockExamples(self.blocks("train"))
+        return federated_task(self.job).train[self.index]
+
+    def test_examples(self) -> Any:
+        return federated_task(self.job).test[self.index]
+
+    def build_model(self, seed: int | None = None) -> nn.Module:
+        return build_model(self.job, self.index, seed=seed)
+
+    def base_model_from(self, seed: int) -> nn.Module:
+        model, spec = self.job.recipe.model, self.job.recipe.task.spec()
+        with torch.random.fork_rng(devices=[]):
+            loaded = load_base_model(model.name, model.dtype, model.quantization, spec.num_labels, seed, model.device,
+                                     regression=spec.is_regression, input_shape=spec.input_shape,
+                                     model_options=small_model_options(model.bias))
+        return loaded.model
+
+    def trainer(self, model: nn.Module) -> DeviceTrainer:
+        return DeviceTrainer(model, self.job.method, self.job.training)
+
+    def travels(self, name: str) -> bool:
+        return travels(self.job.method, name)
+
+    def shared_state(self, trainer: DeviceTrainer) -> dict[str, torch.Tensor]:
+        return shared_state(trainer)
+
+    def train_steps(self, trainer: DeviceTrainer) -> tuple[dict[str, float], int]:
+        return train_steps(self.job, self.index, trainer, self.seed)
+
+    def cluster_tests(self) -> list[Any] | None:
+        raise NotImplementedError("a model is scored in a test (evaluation.TestedDevice)")
+
+    def test_on(self, model: nn.Module, examples: Any) -> float:
+        raise NotImplementedError("a model is scored in a test (evaluation.TestedDevice)")
+
+    def score(self, model: nn.Module) -> dict[str, float]:
+        raise NotImplementedError("a model is scored in a test (evaluation.TestedDevice)")
 
 
 def device_seed(job: Job, device: int) -> int:
@@ -685,26 +581,3 @@ def _local_steps(job: Job, per_epoch: int) -> int:
     if epochs and not job.recipe.is_language_modelling:
         return epochs * per_epoch
     return job.recipe.federation.local_iterations
-
-
-def _train_every_centre(job: Job, device: int, trainer: DeviceTrainer, seed: int) -> tuple[dict, int]:
-    """FedEM's local step (Marfoq et al., 2021, Alg. 1, LocalSolver): every centre ``s`` in turn,
-    from its received value, takes the round's steps on ``Σ_i q(z_i = s) ℓ_s(i)`` (batch means
-    of the E-step's weights times the losses, as the authors' ``fit_epochs(…, weights)``) with a
-    fresh optimiser; the trained centres become the upload. The authors' learners keep their
-    optimisers across rounds; here only the iteration count (and so the epochs drawn) runs on."""
-    examples = centre_examples(job, device)
-    batch_size = job.recipe.data.batch_size if job.recipe.is_language_modelling else job.recipe.task.batch_size
-    anchors = trainer.anchors
-    trained, losses, start = {}, [], trainer.iteration
-    for centre, tensors in enumerate(anchors.centres):
-        trainer.model.load_state_dict(tensors, strict=False)
-        learner = DeviceTrainer(trainer.model, trainer.method, trainer.config)
-        learner.iteration = start
-        sampler, per_epoch = epoch_sampler(WeightedExamples(examples, anchors.posteriors[centre]), batch_size,
-                                           zlib.crc32(f"{seed}:centre:{centre}".encode()))
-        losses.append(learner.train_iterations(_local_steps(job, per_epoch), sampler, sampler)["train_loss"])
-        trained.update({centre_key(centre, name): tensor for name, tensor in shared_state(learner).items()})
-        trainer.iteration = learner.iteration
-    trainer.uploads = trained
-    return {"train_loss": sum(losses) / len(losses), "iteration": float(trainer.iteration)}, len(examples)

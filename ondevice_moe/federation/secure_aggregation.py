@@ -58,28 +58,12 @@ from flwr.server.workflow.constant import Key as WorkflowKey
 from flwr.serverapp import Grid
 
 from ondevice_moe.federation.job import job_from_context
-from ondevice_moe.methods.base import Method
 from ondevice_moe.recipe import FederationSection
 
 # Legacy FitIns carry unnamed arrays and scalar configs only: these name lists travel as one
 # newline-separated string each.
 SENT_KEY = "secaggplus-sent"  # the names of the tensors the server sent, in FitIns order
 UPLOAD_KEY = "secaggplus-upload"  # the names the device uploads, in the order they are summed
-
-
-def refusal(method: Method) -> str | None:
-    """Why ``method`` cannot aggregate under SecAgg+, or ``None`` when its server rule is a plain
-    weighted sum of the same tensors from every device (FedAvg, CoMiGS's generalists): its rule
-    needs each device's update (:attr:`~ondevice_moe.federation.rules.ServerRule.needs_each_update`),
-    its devices upload different tensors, or one device trains on everyone's data."""
-    rule = method.server_rule
-    if rule.needs_each_update:
-        return rule.needs_each_update
-    if rule.partial_uploads:
-        return "devices upload only the experts they used, so their vectors differ in layout"
-    if method.centralized:
-        return "one device trains on every user's data, so there is no sum to hide"
-    return None
 
 
 # -- server -------------------------------------------------------------------

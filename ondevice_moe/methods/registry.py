@@ -1,6 +1,7 @@
 """Every method of the harness, by name: its options schema and its builder.
 
-Adding a method means adding its folder under ``methods/`` and one line here.
+A built-in method is its folder under ``methods/`` and one line here; a method of another
+package or of a recipe's own file registers itself (:mod:`ondevice_moe.methods.plugins`).
 A recipe's method entry is validated by the method's own options schema
 (:func:`method_options`); :func:`build_method` turns the options into a
 :class:`~ondevice_moe.methods.base.Method` for a recipe's devices.
@@ -8,8 +9,8 @@ A recipe's method entry is validated by the method's own options schema
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
@@ -38,27 +39,15 @@ from ondevice_moe.methods.hermes.config import HermesBaselineOptions, HermesOpti
 from ondevice_moe.methods.hermes.method import hermes
 from ondevice_moe.methods.mixture.config import MixtureOptions
 from ondevice_moe.methods.mixture.method import mixture
-
-LANGUAGE, CLASSIFICATION, SMALL = "language-modelling", "classification", "small-model"
-
-
-@dataclass(frozen=True)
-class MethodSpec:
-    """A method's options schema, its builder, the tasks it runs on, and the
-    recipe section (if any) whose keys give its family's shared defaults."""
-
-    options: type[MethodOptions]
-    build: Callable[[Any, MethodContext], Method]
-    tasks: frozenset[str]
-    defaults_section: str | None = None
-
+from ondevice_moe.methods.plugins import Registry
+from ondevice_moe.methods.spec import ANY_TASK, CLASSIFICATION, LANGUAGE, SMALL, MethodSpec
 
 _LM = frozenset({LANGUAGE})
 _TEXT = frozenset({LANGUAGE, CLASSIFICATION})
-_ANY = frozenset({LANGUAGE, CLASSIFICATION, SMALL})
+_ANY = ANY_TASK
 _SMALL = frozenset({SMALL})
 
-METHODS: dict[str, MethodSpec] = {
+BUILT_IN: dict[str, MethodSpec] = {
     "pretrained": MethodSpec(LoRABaselineOptions, comigs_baselines.pretrained, _ANY, "experts"),
     "local": MethodSpec(LoRABaselineOptions, comigs_baselines.local, _LM, "experts"),
     "fedavg": MethodSpec(LoRABaselineOptions, comigs_baselines.fedavg, _LM, "experts"),
@@ -95,10 +84,30 @@ METHODS: dict[str, MethodSpec] = {
 }
 
 
+REGISTRY = Registry(BUILT_IN)
+METHODS = REGISTRY.specs
+"""Every method by name: the built-in ones, then those of installed packages and of a recipe's
+plug-in files as they are registered (:mod:`ondevice_moe.methods.plugins`)."""
+
+
+def available_methods(plugin_files: tuple[Path, ...] = ()) -> dict[str, MethodSpec]:
+    """Every method: built-in, of installed packages, and of the recipe's ``plugin_files``."""
+    REGISTRY.read_entry_points()
+    REGISTRY.load_files(plugin_files)
+    return METHODS
+
+
+def method_origins() -> dict[str, str]:
+    """Where each method comes from: ``built-in``, ``package <name>`` or ``file <path>``."""
+    available_methods()
+    return dict(REGISTRY.origins)
+
+
 def method_spec(name: str) -> MethodSpec:
-    if name not in METHODS:
-        raise UserError(f"unknown method '{name}'", f"use one of {', '.join(METHODS)}")
-    return METHODS[name]
+    methods = available_methods()
+    if name not in methods:
+        raise UserError(f"unknown method '{name}'", f"use one of {', '.join(methods)}")
+    return methods[name]
 
 
 def method_options(name: str, raw: dict[str, Any], defaults: dict[str, Any] | None = None) -> MethodOptions:

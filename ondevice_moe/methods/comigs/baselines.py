@@ -24,6 +24,7 @@ from ondevice_moe.methods.comigs.config import (
     PCLOptions,
 )
 from ondevice_moe.methods.comigs.method import lora_layout
+from ondevice_moe.methods.comigs.procedures import ExpertsInTurn, PeerMixing, RankSelfPruning
 
 PRIVATE_PAIR = lora_experts(("private", "private"))
 SHARED_PAIR = lora_experts(("shared", "shared"))
@@ -85,7 +86,7 @@ def pcl(options: PCLOptions, context: MethodContext) -> Method:
     replaced now and then by the average of all users' modules weighted by trust,
     softmax(−perplexity) on the user's validation split (:mod:`ondevice_moe.federation.peers`)."""
     layout = lora_layout(options, SHARED_PAIR, "uniform", "shared")
-    return Method("pcl", same_for_all(context.num_users, layout), procedure=Procedure(peer_mixing=True),
+    return Method("pcl", same_for_all(context.num_users, layout), procedure=PeerMixing(),
                   server_rule=PeerRelayRule(first_mix=options.first_mix, every=options.every),
                   sharing=Sharing(devices_keep_models=True))
 
@@ -97,7 +98,7 @@ def fdlora(options: LoRASizes, context: MethodContext) -> Method:
     The attention LoRA is shared, as in CoMiGS-1G1S, so that the two methods differ in how
     they weigh the same experts: per token by a learned router, or once per device."""
     layout = lora_layout(options, lora_experts(("shared", "private")), "client", "shared")
-    return Method("fdlora", same_for_all(context.num_users, layout), procedure=Procedure(experts_in_turn=True),
+    return Method("fdlora", same_for_all(context.num_users, layout), procedure=ExpertsInTurn(),
                   server_rule=ServerRule(context.weighting))
 
 
@@ -136,7 +137,7 @@ def hetlora(options: HetLoRAOptions, context: MethodContext) -> Method:
     pruning = options.pruning_lambda > 0
     rule = HetLoRARule(context.weighting, ranks=tuple(options.ranks),
                        pruning_strength=options.pruning_strength if pruning else None)
-    procedure = Procedure(pruning_lambda=options.pruning_lambda, pruning_strength=options.pruning_strength)
+    procedure = RankSelfPruning(pruning_lambda=options.pruning_lambda, pruning_strength=options.pruning_strength)
     return Method("hetlora", layouts, procedure=procedure, server_rule=rule)
 
 

@@ -31,8 +31,9 @@ from typing import Literal
 from ondevice_moe.errors import UserError
 from ondevice_moe.federation.rules import ServerRule
 from ondevice_moe.layout import ExpertSizes, Layout
-from ondevice_moe.methods.base import CentreProcedure, Method, MethodContext, Procedure, Sharing, same_for_all
+from ondevice_moe.methods.base import Method, MethodContext, Procedure, Sharing, same_for_all
 from ondevice_moe.methods.fedsoft.config import FedSoftOptions
+from ondevice_moe.methods.fedsoft.procedure import CentreProcedure
 from ondevice_moe.methods.fedsoft.rule import CentreRule
 
 
@@ -67,11 +68,12 @@ def _layout(options: FedSoftOptions) -> Layout | None:
 def fedsoft(options: FedSoftOptions, context: MethodContext) -> Method:
     """FedSoft: proximal local updates from each client's own model, S soft-clustered centres."""
     clusters = _clusters(options, context)
-    centres = CentreProcedure("soft", options.proximal_lambda, options.estimation_interval, options.importance_floor,
-                              options.centre_spread, scored_on=options.importance_split)
     layout = _layout(options)
-    return Method("fedsoft", same_for_all(context.num_users, layout),
-                  procedure=Procedure(full_finetune=layout is None, centres=centres),
+    centres = CentreProcedure(full_finetune=layout is None, clusters=clusters, assignment="soft",
+                              proximal_lambda=options.proximal_lambda, estimation_interval=options.estimation_interval,
+                              importance_floor=options.importance_floor, lora_spread=options.centre_spread,
+                              scored_on=options.importance_split)
+    return Method("fedsoft", same_for_all(context.num_users, layout), procedure=centres,
                   server_rule=CentreRule(clusters=clusters, selection_size=_selection(options, context),
                                          seed=context.seed, lora_centres=options.lora_centres),
                   sharing=Sharing(devices_keep_models=True))
@@ -81,14 +83,13 @@ def _unanchored(name: str, assignment: Literal["hard", "em"], options: FedSoftOp
                 every_centre: bool = False) -> Method:
     """A method whose clients train centres themselves, without a proximal term (IFCA, FedEM;
     FedEM's E-step weighs the blocks it trains on, so it scores the training blocks)."""
-    scored_on = "train" if every_centre else options.importance_split
+    clusters = _clusters(options, context)
     layout = _layout(options)
-    return Method(name, same_for_all(context.num_users, layout),
-                  procedure=Procedure(full_finetune=layout is None,
-                                      centres=CentreProcedure(assignment, lora_spread=options.centre_spread,
-                                                              block_loss=options.fedem_block_loss,
-                                                              scored_on=scored_on)),
-                  server_rule=CentreRule(clusters=_clusters(options, context), seed=context.seed,
+    procedure = CentreProcedure(full_finetune=layout is None, clusters=clusters, assignment=assignment,
+                                lora_spread=options.centre_spread, block_loss=options.fedem_block_loss,
+                                scored_on="train" if every_centre else options.importance_split)
+    return Method(name, same_for_all(context.num_users, layout), procedure=procedure,
+                  server_rule=CentreRule(clusters=clusters, seed=context.seed,
                                          every_centre=every_centre, lora_centres=options.lora_centres))
 
 

@@ -21,6 +21,7 @@ from ondevice_moe.federation.rules import ServerRule
 from ondevice_moe.layout import ExpertSpec, Layout, RouterSpec
 from ondevice_moe.methods.base import Method, MethodContext, Procedure, same_for_all
 from ondevice_moe.methods.floral.config import FedAvgAdaptorOptions, FLoRALOptions, FLoRALSizes, LocalAdaptorOptions
+from ondevice_moe.methods.floral.procedure import AdaptorProcedure
 from ondevice_moe.methods.floral.rule import MixtureRule
 
 
@@ -60,8 +61,9 @@ def floral(options: FLoRALOptions, context: MethodContext) -> Method:
     experts = tuple(ExpertSpec("layers", "shared") for _ in range(clusters))
     layouts = tuple(Layout(experts, router, "every-layer", adaptor_kinds=_kinds(options))
                     for router in _routers(options, context, clusters))
-    procedure = Procedure(routers="none" if options.optimal_routing else "joint", full_finetune=options.train_base,
-                          lora_preconditioning=options.preconditioning, joint_router_lr=options.router_lr)
+    procedure = AdaptorProcedure(routers="none" if options.optimal_routing else "joint",
+                                 full_finetune=options.train_base, lora_preconditioning=options.preconditioning,
+                                 joint_router_lr=options.router_lr)
     return Method(f"floral-{options.budget * 100:g}pct{_suffix(options)}", layouts, procedure,
                   MixtureRule(context.weighting))
 
@@ -80,7 +82,7 @@ def local_adaptor(options: LocalAdaptorOptions, context: MethodContext) -> Metho
     """Local Adaptor: a shared base and one private adaptor per client (FLoRAL Tables 1 and 3)."""
     layout = Layout((ExpertSpec("layers", "private"),), RouterSpec("none"), "every-layer",
                     adaptor_kinds=_kinds(options))
-    procedure = Procedure(full_finetune=options.train_base, lora_preconditioning=options.preconditioning)
+    procedure = AdaptorProcedure(full_finetune=options.train_base, lora_preconditioning=options.preconditioning)
     return Method("local-adaptor", tuple(layout for _ in range(context.num_users)), procedure,
                   MixtureRule(context.weighting))
 
@@ -90,6 +92,6 @@ def fedavg_adaptor(options: FedAvgAdaptorOptions, context: MethodContext) -> Met
     adaptor form without the mixture (the equal-parameter baseline with ``rank_multiple: C``)."""
     layout = Layout((ExpertSpec("layers", "shared"),), RouterSpec("none"), "every-layer",
                     adaptor_kinds=_kinds(options))
-    procedure = Procedure(full_finetune=options.train_base, lora_preconditioning=options.preconditioning)
+    procedure = AdaptorProcedure(full_finetune=options.train_base, lora_preconditioning=options.preconditioning)
     return Method("fedavg-adaptor", same_for_all(context.num_users, layout), procedure,
                   ServerRule(context.weighting))

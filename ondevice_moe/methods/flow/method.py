@@ -25,8 +25,9 @@ from __future__ import annotations
 
 from ondevice_moe.federation.rules import ServerRule
 from ondevice_moe.layout import ExpertSizes, ExpertSpec, Layout, RouterSpec
-from ondevice_moe.methods.base import FlowProcedure, Method, MethodContext, Procedure, Sharing, same_for_all
+from ondevice_moe.methods.base import Method, MethodContext, Sharing, same_for_all
 from ondevice_moe.methods.flow.config import FlowOptions
+from ondevice_moe.methods.flow.procedure import FlowProcedure
 
 
 def _method(name: str, options: FlowOptions, context: MethodContext, policy: str) -> Method:
@@ -36,13 +37,14 @@ def _method(name: str, options: FlowOptions, context: MethodContext, policy: str
                     interpolation=options.interpolation if apfl else None), "layer-copies",
                     sizes=ExpertSizes(lora_rank=options.lora_rank, lora_alpha=options.lora_alpha,
                                       rank_stabilised=False))
-    rounds = FlowProcedure(options.gamma, options.local_epochs, options.global_epochs, options.local_fraction,
-                           policy, options.global_step, options.proximal_lambda, options.zeta_split,
-                           options.evaluation, options.baseline_budget)
     # The layout makes the routed copies trainable; a Hugging Face base stays frozen.
     # APFL's α sits with ψ and trains with the local copies; it is the device's own, and ψ (unused) stays home.
     routers = "bilevel" if policy == "learned" else "joint" if apfl else "none"
-    procedure = Procedure(routers=routers, flow=rounds)
+    procedure = FlowProcedure(routers=routers, gamma=options.gamma, local_epochs=options.local_epochs,
+                              global_epochs=options.global_epochs, local_fraction=options.local_fraction,
+                              policy=policy, global_step=options.global_step,
+                              proximal_lambda=options.proximal_lambda, zeta_split=options.zeta_split,
+                              evaluation=options.evaluation, baseline_budget=options.baseline_budget)
     return Method(name, same_for_all(context.num_users, layout), procedure, ServerRule("num_examples"),
                   Sharing(share_router=not apfl))
 

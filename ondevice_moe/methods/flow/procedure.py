@@ -20,14 +20,98 @@ from __future__ import annotations
 import zlib
 from dataclasses import dataclass
 from itertools import zip_longest
+from typing import Literal
 
 import torch
+from torch import nn
 
 from ondevice_moe.experts.layer_copy import restart_local_copies
-from ondevice_moe.methods.base import FlowProcedure
 from ondevice_moe.methods.fedsoft.centres import ProximalAnchors
-from ondevice_moe.routing.instance_policy import InstancePolicyRouter, instance_policy
+from ondevice_moe.methods.flow.metrics import flow_scores, on_both_paths, personal_path
+from ondevice_moe.methods.procedure import OnDevice, Procedure
+from ondevice_moe.routing.instance_policy import InstancePolicyRouter, instance_policy, policy_regulariser
 from ondevice_moe.training import Batch, DeviceTrainer
+
+
+@dataclass(frozen=True)
+class FlowProcedure(Procedure):
+    """Flow's round (Alg. 1, :mod:`ondevice_moe.methods.flow`): the local copies restart from the
+    global layers, the device's training examples are split in two disjoint halves ζ_ℓ / ζ_g
+    (``local_fraction`` of them in ζ_ℓ); ``local_epochs`` (K₁) epochs train
+    the local copies on ζ_ℓ (eq. 1); ``global_epochs`` (K₂) epochs on ζ_g alternate, batch by
+    batch, a policy step with the regulariser weight ``gamma`` (γ, eq. 4) and a global step
+    (eq. 5). ``policy``: ``learned`` (Flow), ``fixed-paths`` (FedAvgFT: the global layers
+    train on ζ_g alone and the personal model is the local path) or ``ditto`` (Ditto, Li et
+    al. 2021: on all the examples, ``global_epochs`` of the global layers, then ``local_epochs``
+    of the local copies — kept between rounds, not restarted — on the loss plus
+    ``(proximal_lambda/2)·‖w_ℓ − w_g^t‖²`` to the round's received global layers; the personal
+    model is the local path) or ``apfl`` (APFL, Deng et al. 2020, Alg. 1: on all the examples,
+    each batch a step of the global layers on their own loss, then a step of the local copies
+    and the private α on the loss of ``(1 − α)·w_g + α·w_ℓ``; the personal model is that
+    interpolation). ``global_step``: the global
+    step's loss, ``CE(w_p)`` (``personalised``, eq. 5) or ``CE(w_g)`` on the global path alone
+    (``global-path``, the authors' ``trainers/client_flow.py``). ``zeta_split``: ``per-round``
+    draws the halves and the batch order afresh each round (Alg. 1 line 6 sits in the round
+    loop), ``fixed`` keeps them for every round (the authors' code shards the same way).
+    ``evaluation``: ``as-trained`` scores the model the rounds left; ``adapted`` first restarts
+    the local copies from the received global layers, fine-tunes them on ζ_ℓ and adapts ψ on
+    ζ_g, as the authors' ``*_generalized_test`` does. ``baseline_budget``: ``paper`` runs the
+    baselines as their papers define them (FedAvgFT: FedAvg and the fine-tuning on every example;
+    Ditto and APFL: every example through both models), ``flow`` on Flow's data per round (the
+    global layers on ζ_g, the personal model on ζ_ℓ)."""
+
+    gamma: float = 0.01
+    local_epochs: int = 1
+    global_epochs: int = 1
+    local_fraction: float = 0.5
+    policy: Literal["learned", "fixed-paths", "ditto", "apfl"] = "learned"
+    global_step: Literal["personalised", "global-path"] = "personalised"
+    proximal_lambda: float = 0.0
+    zeta_split: Literal["per-round", "fixed"] = "per-round"
+    evaluation: Literal["as-trained", "adapted"] = "as-trained"
+    baseline_budget: Literal["paper", "flow"] = "paper"
+
+    def train_round(self, device: OnDevice, trainer: DeviceTrainer) -> tuple[dict[str, float], int]:
+        """Epochs over the halves of the device's examples (:func:`flow_round`)."""
+        return flow_round(trainer, device.training_examples(), device.batch_size, device.seed)
+
+    def loss_terms(self, trainer: DeviceTrainer, *, train_experts: bool, train_router: bool) -> torch.Tensor | None:
+        """The policy step's regulariser ``−(γ/L) Σ_j log q_0^(j)`` (eq. 4), and Ditto's proximal term
+        to the round's received global layers on the personal model's steps."""
+        policy = instance_policy(trainer.model)
+        if train_router and policy is not None:
+            return self.gamma * policy_regulariser(policy)
+        anchors = trainer.round_state.get(DITTO_ANCHORS)
+        return anchors.penalty(trainer.trainable) if anchors is not None and train_experts else None
+
+    def evaluate(self, device: OnDevice, model: nn.Module) -> dict[str, float]:
+        """The personalised and the global model: Acc_p, Acc_g and the per-instance breakdown of a
+        classifier (eq. 6–7), or both perplexities of a language model; after adapting the model
+        to the device's data first with ``evaluation: adapted``."""
+        tested = adapted_for_test(device, model)
+        if device.is_language_modelling:
+            return on_both_paths(tested, personal_path(self.policy), lambda: device.score(tested))
+        examples = device.test_examples()
+        scores = flow_scores(tested, personal_path(self.policy), examples, device.eval_batch_size)
+        return {"num-examples": len(examples), **{f"user_{device.index}/{k}": v for k, v in scores.items()}}
+
+
+DITTO_ANCHORS = "ditto-anchors"
+
+
+def adapted_for_test(device: OnDevice, model: nn.Module) -> nn.Module:
+    """The model a Flow-family device is tested with: with ``evaluation: adapted``, a copy of
+    ``model`` adapted on the device's training data (:func:`adapt_for_test`, seeded by the device,
+    so ``ondevice-moe eval`` repeats it); else ``model`` itself."""
+    procedure: FlowProcedure = device.method.procedure
+    if not adapts_before_test(procedure):
+        return model
+    twin = device.build_model()  # its own router: the routed layers read their gates from it
+    twin.load_state_dict(model.state_dict())
+    trainer = device.trainer(twin)
+    adapt_for_test(trainer, device.training_examples(), device.batch_size, device.seed)
+    trainer.model.eval()
+    return trainer.model
 
 
 @dataclass(frozen=True)
@@ -84,7 +168,7 @@ def flow_round(trainer: DeviceTrainer, examples, batch_size: int, seed: int) -> 
     """One round of Flow (or FedAvgFT, Ditto, APFL) on ``examples``; returns the train metrics and
     the weight of the device's upload: the examples the global layers trained on (|ζ_g|, Alg. 1
     line 12)."""
-    procedure: FlowProcedure = trainer.method.procedure.flow
+    procedure: FlowProcedure = trainer.method.procedure
     key = round_key(procedure, trainer, seed)
     if procedure.policy in PERSONAL_MODEL_ROUNDS:
         return PERSONAL_MODEL_ROUNDS[procedure.policy](trainer, examples, batch_size, key)
@@ -117,7 +201,7 @@ def _fine_tune_local_copies(trainer: DeviceTrainer, rows: ExampleRows, batch_siz
                             ) -> list[float]:
     """``w_ℓ ← w_g``, then K₁ epochs of the local copies alone on ``rows``, every instance on the
     local path (eq. 1, Alg. 1 lines 5 and 7); the losses of its steps."""
-    procedure: FlowProcedure = trainer.method.procedure.flow
+    procedure: FlowProcedure = trainer.method.procedure
     router = instance_policy(trainer.model)
     restart_local_copies(router.pairs)
     global_ids, _ = _copy_ids(router)
@@ -142,7 +226,7 @@ def adapt_for_test(trainer: DeviceTrainer, examples, batch_size: int, seed: int)
     test: the local copies restart from the received global layers and are fine-tuned for K₁
     epochs on ζ_ℓ (eq. 1), then ψ alone takes K₂ epochs of policy steps (eq. 4) on ζ_g; the
     global layers do not move, so Acc_g is the received global model's."""
-    procedure: FlowProcedure = trainer.method.procedure.flow
+    procedure: FlowProcedure = trainer.method.procedure
     key = f"{seed}:test"
     local_rows, global_rows = training_rows(procedure, len(examples), key)
     _fine_tune_local_copies(trainer, ExampleRows(examples, local_rows), batch_size, key)
@@ -160,7 +244,7 @@ def ditto_round(trainer: DeviceTrainer, examples, batch_size: int, key: int | st
     global layers as received; each on every example, or on ζ_g and ζ_ℓ (``baseline_budget:
     flow``). ``v`` is the device's own between rounds; it starts from the global model on the
     device's first round."""
-    procedure: FlowProcedure = trainer.method.procedure.flow
+    procedure: FlowProcedure = trainer.method.procedure
     router, global_ids, local_ids = _personal_model_start(trainer)
     local_rows, global_rows = training_rows(procedure, len(examples), key)
     names = {id(param): name for name, param in trainer.model.named_parameters()}
@@ -171,14 +255,14 @@ def ditto_round(trainer: DeviceTrainer, examples, batch_size: int, key: int | st
                      for epoch in range(procedure.global_epochs)
                      for batch in epoch_batches(ExampleRows(examples, global_rows), batch_size, key, epoch)]
     router.path = "local"
-    trainer.anchors = ProximalAnchors((received,), (1.0,), procedure.proximal_lambda)
+    trainer.round_state[DITTO_ANCHORS] = ProximalAnchors((received,), (1.0,), procedure.proximal_lambda)
     try:
         local_losses = [trainer.expert_step(batch, idle=global_ids)
                         for epoch in range(procedure.local_epochs)
                         for batch in epoch_batches(ExampleRows(examples, local_rows), batch_size, key,
                                                    procedure.global_epochs + epoch)]
     finally:
-        trainer.anchors = None
+        del trainer.round_state[DITTO_ANCHORS]
         router.path = "policy"
     trainer.iteration += len(local_losses) + len(global_losses)
     return {"train_loss_local": _mean(local_losses), "train_loss": _mean(global_losses),
@@ -192,7 +276,7 @@ def apfl_round(trainer: DeviceTrainer, examples, batch_size: int, key: int | str
     ``(1 − α)·w + α·v``; both steps on the same batch of every example, or (``baseline_budget:
     flow``) the first on a batch of ζ_g, the second on one of ζ_ℓ. α is the device's, as ``v``;
     the paper clips α to [0, 1] after each step where we keep it in (0, 1) by a sigmoid."""
-    procedure: FlowProcedure = trainer.method.procedure.flow
+    procedure: FlowProcedure = trainer.method.procedure
     router, global_ids, local_ids = _personal_model_start(trainer)
     local_rows, global_rows = training_rows(procedure, len(examples), key)
     alpha = frozenset({id(router.alpha_logit)})

@@ -5,7 +5,8 @@ from __future__ import annotations
 from ondevice_moe.experts.layer import AdaptorKinds
 from ondevice_moe.federation.rules import InverseFrequencyRule, ServerRule
 from ondevice_moe.layout import ExpertSizes, ExpertSpec, Layout, RouterSpec
-from ondevice_moe.methods.base import Method, MethodContext, Procedure, Sharing, same_for_all
+from ondevice_moe.methods.base import Method, MethodContext, Sharing, same_for_all
+from ondevice_moe.methods.floral.procedure import AdaptorProcedure
 from ondevice_moe.methods.floral.rule import MixtureRule
 from ondevice_moe.methods.mixture.config import MixtureOptions
 
@@ -25,8 +26,8 @@ def mixture(options: MixtureOptions, context: MethodContext) -> Method:
                                    bias=options.bias, norm=options.norm),
     )
     learned = options.router in ("token-topk", "hermes", "sigmoid", "client-mixture")
-    procedure = Procedure(routers=options.routers_train if learned else "none", router_data=options.router_data,
-                          lora_preconditioning=options.preconditioning)
+    procedure = AdaptorProcedure(routers=options.routers_train if learned else "none",
+                                 router_data=options.router_data, lora_preconditioning=options.preconditioning)
     rules = {"inverse-frequency": InverseFrequencyRule(context.weighting),
              "mixture-weighted": MixtureRule(context.weighting),
              "mean": ServerRule(context.weighting, partial_uploads=options.upload == "selected")}

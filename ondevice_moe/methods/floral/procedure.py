@@ -1,0 +1,31 @@
+"""FLoRAL's device side: plain local training whose LoRA and ConvLoRA gradients may be
+preconditioned before each step (App. D, eq. 36; :mod:`ondevice_moe.experts.preconditioning`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ondevice_moe.experts.preconditioning import low_rank_modules, precondition_gradients
+from ondevice_moe.methods.procedure import Procedure
+
+if TYPE_CHECKING:
+    from ondevice_moe.training import DeviceTrainer
+
+LOW_RANK_MODULES = "low-rank-modules"
+
+
+@dataclass(frozen=True)
+class AdaptorProcedure(Procedure):
+    """FLoRAL, the Local Adaptor and the FedAvg of one adaptor: with ``lora_preconditioning`` every
+    LoRA and ConvLoRA gradient is preconditioned between backward and the step (App. D, designed
+    for SGD; it runs under whichever optimiser the recipe names)."""
+
+    lora_preconditioning: bool = False
+
+    def adjust_gradients(self, trainer: DeviceTrainer) -> None:
+        if not self.lora_preconditioning:
+            return
+        if LOW_RANK_MODULES not in trainer.round_state:
+            trainer.round_state[LOW_RANK_MODULES] = low_rank_modules(trainer.model)
+        precondition_gradients(trainer.round_state[LOW_RANK_MODULES])

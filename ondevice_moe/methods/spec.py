@@ -1,0 +1,25 @@
+"""What the registry knows of a method: :class:`MethodSpec`, and the kinds of task a method runs on."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ondevice_moe.methods.base import Method, MethodContext, MethodOptions
+
+LANGUAGE, CLASSIFICATION, SMALL = "language-modelling", "classification", "small-model"
+ANY_TASK = frozenset({LANGUAGE, CLASSIFICATION, SMALL})
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """A method's options schema (a :class:`~ondevice_moe.methods.base.MethodOptions`), its builder
+    (options and :class:`~ondevice_moe.methods.base.MethodContext` → :class:`~ondevice_moe.methods.base.Method`),
+    the tasks it runs on (``language-modelling``, ``classification``, ``small-model``), and the recipe
+    section (if any) whose keys give its family's shared defaults."""
+
+    options: type[MethodOptions]
+    build: Callable[[Any, MethodContext], Method]
+    tasks: frozenset[str] = ANY_TASK
+    defaults_section: str | None = None
