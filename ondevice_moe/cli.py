@@ -28,6 +28,9 @@ app = typer.Typer(
 )
 recipes_app = typer.Typer(help="Bundled recipes.", no_args_is_help=True)
 app.add_typer(recipes_app, name="recipes")
+methods_app = typer.Typer(help="Methods: built in, from installed packages, or a recipe's plug-in files.",
+                          no_args_is_help=True)
+app.add_typer(methods_app, name="methods")
 console = Console()
 
 MAX_USER_COLUMNS = 5
@@ -61,6 +64,8 @@ def finetune(
     federation: Annotated[str | None, typer.Option(
         help="Run on real devices: the SuperLink of this name in Flower's connection config "
              "($FLWR_HOME/config.toml; docs/deployment.md). Default: Flower's simulation on this machine.")] = None,
+    trust_plugins: Annotated[bool, typer.Option(
+        "--trust-plugins", help="Run the code of the method plug-in files the recipe names (plugins:).")] = False,
 ) -> None:
     """Fine-tune every method of a recipe through Flower and write the report."""
     from ondevice_moe.federation.job import Job
@@ -68,6 +73,7 @@ def finetune(
     from ondevice_moe.runner import run_recipe
 
     overrides = [*set_, f"model.device={device}"] if device else set_
+    _trust(trust_plugins)
     try:
         loaded = load_recipe(_find_recipe(recipe), overrides, seed)
         if dry_run:
@@ -132,10 +138,13 @@ def evaluate(
     split: Annotated[str | None, typer.Option(
         help="test or valid: the split a language model's users are scored on (data.eval_split). "
              "Default: the run's recipe.")] = None,
+    trust_plugins: Annotated[bool, typer.Option(
+        "--trust-plugins", help="Run the code of the method plug-in files the recipe names (plugins:).")] = False,
 ) -> None:
     """Re-evaluate a finished run from its checkpoints."""
     from ondevice_moe.runner import evaluate_run
 
+    _trust(trust_plugins)
     if split not in (None, "test", "valid"):
         _fail(UserError(f"unknown split '{split}'", "use --split test or --split valid"))
     try:
@@ -162,10 +171,13 @@ def export(
     centre: Annotated[int | None, typer.Option(
         help="FedSoft / IFCA: export the server's cluster centre CENTRE (e.g. for a new user) in place of "
              "the user's own shared tensors.")] = None,
+    trust_plugins: Annotated[bool, typer.Option(
+        "--trust-plugins", help="Run the code of the method plug-in files the recipe names (plugins:).")] = False,
 ) -> None:
     """Export one user's trained model: PEFT adapters, the toolkit's format, a model card."""
     from ondevice_moe.export import export_user
 
+    _trust(trust_plugins)
     try:
         result = export_user(run, method, user, to, experts, format_, force, push_to_hub, private, device, centre)
     except UserError as error:
@@ -232,10 +244,13 @@ def inspect_routing(
     text: Annotated[str | None, typer.Option(help="Text to route (default: the start of the user's test split).")
                     ] = None,
     file: Annotated[Path | None, typer.Option(help="A UTF-8 text file to route instead of --text.")] = None,
+    trust_plugins: Annotated[bool, typer.Option(
+        "--trust-plugins", help="Run the code of the method plug-in files the recipe names (plugins:).")] = False,
 ) -> None:
     """Write a page of a user's routing: tokens coloured by expert per layer, scores and bytes over rounds."""
     from ondevice_moe.inspect import write_inspection
 
+    _trust(trust_plugins)
     try:
         source = "your text"
         if text is not None and file is not None:
@@ -253,6 +268,48 @@ def inspect_routing(
     except UserError as error:
         _fail(error)
     console.print("wrote " + ", ".join(str(path) for path in written))
+
+
+def _trust(trust_plugins: bool) -> None:
+    if trust_plugins:
+        from ondevice_moe.methods.plugins import trust_plugins as trust
+
+        trust()
+
+
+@methods_app.command("list")
+def list_methods() -> None:
+    """List every method, the tasks it runs on, and where it comes from (built in, a package, a file)."""
+    from ondevice_moe.methods.registry import METHODS, method_origins
+
+    try:
+        origins = method_origins()
+    except UserError as error:
+        _fail(error)
+    table = Table(title="Methods")
+    for column in ("method", "tasks", "from"):
+        table.add_column(column)
+    for name, origin in origins.items():
+        table.add_row(name, ", ".join(sorted(METHODS[name].tasks)), origin)
+    console.print(table)
+
+
+@app.command("new-method")
+def new_method(
+    name: Annotated[str, typer.Argument(help="The method's name in recipes, e.g. fedprox.")],
+    dest: Annotated[Path, typer.Argument(help="The folder to write the method's package into.")],
+) -> None:
+    """Scaffold a method folder (options, layout, procedure, server rule, a tiny recipe, a test) that runs as
+    generated: `ondevice-moe finetune DEST/NAME/recipe.yaml --trust-plugins`."""
+    from ondevice_moe.methods.scaffold import scaffold
+
+    try:
+        folder = scaffold(name, dest)
+    except UserError as error:
+        _fail(error)
+    files = ", ".join(sorted(path.name for path in folder.iterdir()))
+    console.print(f"wrote {folder}: {files}")
+    console.print(f"run it: ondevice-moe finetune {folder / 'recipe.yaml'} --trust-plugins")
 
 
 @recipes_app.command("list")

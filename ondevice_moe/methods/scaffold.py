@@ -1,0 +1,197 @@
+"""``ondevice-moe new-method NAME DEST``: a method folder that runs as generated.
+
+The folder is a Python package with the three parts of every method (``docs/architecture.md``) and
+what makes it usable: ``options.py`` (its recipe options), ``method.py`` (its layout per device and
+its builder), ``procedure.py`` (its device side: FedProx's proximal term, Li et al. 2020, eq. 2, as a
+starting point), ``rule.py`` (its server rule: FedAvg), ``__init__.py`` (``METHODS``, what a recipe's
+``plugins:`` entry or a package's entry point registers), a tiny ``recipe.yaml`` that runs it beside
+FedAvg on the small digits task, and ``test_<name>.py``.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from ondevice_moe.errors import UserError
+from ondevice_moe.names import is_plain_name
+
+INIT = '''"""{name}: a method of ondevice-moe (scaffolded by ``ondevice-moe new-method``).
+
+A recipe uses it with ``plugins: [path/to/{package}]`` and ``methods: [{name}]`` (run with
+``--trust-plugins``); a package exposes it through the entry point group ``ondevice_moe.methods``:
+``{name} = "{package}:SPEC"``.
+"""
+
+from ondevice_moe.methods.spec import ANY_TASK, MethodSpec
+
+from .method import build
+from .options import Options
+
+SPEC = MethodSpec(Options, build, ANY_TASK)
+METHODS = {{"{name}": SPEC}}
+'''
+
+OPTIONS = '''"""{name}'s options in a recipe's method entry (``{{name: {name}, mu: 0.01}}``)."""
+
+from pydantic import Field
+
+from ondevice_moe.methods.base import MethodOptions
+
+
+class Options(MethodOptions):
+    """``mu``: the weight of the proximal term (FedProx, Li et al. 2020, eq. 2); ``budget``: the
+    relative parameter budget of the one shared adaptor on every layer."""
+
+    mu: float = Field(0.01, ge=0)
+    budget: float = Field(0.01, gt=0, le=1)
+'''
+
+METHOD = '''"""{name} as a layout, a procedure and a server rule."""
+
+from ondevice_moe.experts.layer import AdaptorKinds
+from ondevice_moe.layout import ExpertSpec, Layout, RouterSpec
+from ondevice_moe.methods.base import Method, MethodContext, same_for_all
+
+from .options import Options
+from .procedure import ProximalProcedure
+from .rule import server_rule
+
+
+def build(options: Options, context: MethodContext) -> Method:
+    """One shared adaptor on every layer of every device (it travels and is averaged), trained with
+    a proximal term to the round's received adaptor."""
+    layout = Layout((ExpertSpec("layers", "shared"),), RouterSpec("none"), "every-layer",
+                    adaptor_kinds=AdaptorKinds(budget=options.budget))
+    return Method("{name}", same_for_all(context.num_users, layout), ProximalProcedure(mu=options.mu),
+                  server_rule(options, context))
+'''
+
+PROCEDURE = '''"""{name}'s device side: plain local training plus FedProx's proximal term (Li et al. 2020,
+eq. 2), ``(mu / 2) * ||w - w_t||^2`` to the shared tensors as the round received them.
+
+Override only what differs from :class:`~ondevice_moe.methods.procedure.Procedure`: here
+``begin_round`` (keep ``w_t``) and ``loss_terms`` (add the term to every expert step).
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from ondevice_moe.methods.procedure import OnDevice, Procedure, Tensors
+from ondevice_moe.training import DeviceTrainer
+
+RECEIVED = "received"
+
+
+@dataclass(frozen=True)
+class ProximalProcedure(Procedure):
+    mu: float = 0.01
+
+    def begin_round(self, device: OnDevice, trainer: DeviceTrainer, received: Tensors | None,
+                    server_round: int) -> dict[str, float]:
+        trainer.round_state[RECEIVED] = {{name: param.detach().clone() for name, param in trainer.trainable
+                                         if device.travels(name)}}
+        return {{}}
+
+    def loss_terms(self, trainer: DeviceTrainer, *, train_experts: bool, train_router: bool) -> torch.Tensor | None:
+        anchor = trainer.round_state.get(RECEIVED)
+        if not train_experts or not anchor or self.mu == 0:
+            return None
+        distance = sum((param - anchor[name]).pow(2).sum() for name, param in trainer.trainable if name in anchor)
+        return 0.5 * self.mu * distance
+'''
+
+RULE = '''"""{name}'s server rule: FedAvg, the shared tensors averaged by the federation's weighting.
+
+Subclass :class:`~ondevice_moe.federation.rules.ServerRule` to change what the server keeps, sends or
+how uploads combine."""
+
+from ondevice_moe.federation.rules import ServerRule
+from ondevice_moe.methods.base import MethodContext
+
+from .options import Options
+
+
+def server_rule(options: Options, context: MethodContext) -> ServerRule:
+    return ServerRule(context.weighting)
+'''
+
+RECIPE = '''name: {name}-tiny
+description: {name} beside FedAvg of the same adaptor, on the small digits task (seconds on a CPU).
+seed: 0
+plugins: [.]          # this folder: its METHODS register {name}
+model: {{name: mlp}}
+task: {{name: digits-rotate, clients: 4, clusters: 2, batch_size: 32, eval_batch_size: 256}}
+federation: {{rounds: 3, local_epochs: 1, cpus_per_client: 1, weighting: num_examples}}
+training: {{lr: 0.05, optimizer: sgd, grad_clip: null, lr_schedule: constant}}
+methods:
+  - {name}
+  - {{name: {name}, mu: 0.0, label: {name}-mu0}}
+  - fedavg-adaptor
+'''
+
+TEST = '''"""{name} runs through Flower on the tiny recipe, and its proximal term does what it says."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def test_the_recipe_runs_through_flower_and_reports_every_method(tmp_path):
+    env = {{**os.environ, "HF_HUB_OFFLINE": "1"}}
+    subprocess.run([sys.executable, "-m", "ondevice_moe", "finetune", str(HERE / "recipe.yaml"), "--trust-plugins",
+                    "--output", str(tmp_path / "run")], check=True, env=env, timeout=900)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert {{"{name}", "{name}-mu0", "fedavg-adaptor"}} <= set(summary["methods"])
+
+
+def test_the_proximal_term_is_zero_at_the_received_weights_and_grows_away_from_them():
+    import torch
+    from torch import nn
+
+    from ondevice_moe.methods.base import Method
+    from ondevice_moe.training import DeviceTrainer, TrainingConfig
+
+    from {package}.procedure import ProximalProcedure
+
+    procedure = ProximalProcedure(mu=2.0)
+    model = nn.Sequential(nn.Linear(2, 2))
+    trainer = DeviceTrainer(model, Method("{name}", (None,), procedure), TrainingConfig())
+    procedure.begin_round(_Device(), trainer, None, 1)
+    assert float(procedure.loss_terms(trainer, train_experts=True, train_router=False).detach()) == 0.0
+    with torch.no_grad():
+        model[0].weight.add_(1.0)
+    term = procedure.loss_terms(trainer, train_experts=True, train_router=False)
+    assert float(term.detach()) == 4.0  # mu/2 · 4 weights · 1²
+
+
+class _Device:
+    def travels(self, name):
+        return True
+'''
+
+
+def package_name(name: str) -> str:
+    """The Python package of method ``name``: ``my-method`` → ``my_method``."""
+    return re.sub(r"\\W", "_", name).lstrip("_0123456789") or "method"
+
+
+def scaffold(name: str, destination: Path) -> Path:
+    """Write method ``name``'s folder under ``destination``; returns it. An existing folder is refused."""
+    if not is_plain_name(name):
+        raise UserError(f"method name {name!r} cannot name a folder", "use letters, digits and - only (e.g. fedprox)")
+    package = package_name(name)
+    folder = Path(destination) / package
+    if folder.exists():
+        raise UserError(f"{folder} already exists", "choose another DEST or NAME, or remove that folder")
+    folder.mkdir(parents=True)
+    files = {"__init__.py": INIT, "options.py": OPTIONS, "method.py": METHOD, "procedure.py": PROCEDURE,
+             "rule.py": RULE, "recipe.yaml": RECIPE, f"test_{package}.py": TEST}
+    for file, template in files.items():
+        (folder / file).write_text(template.format(name=name, package=package), encoding="utf-8")
+    return folder

@@ -1,0 +1,121 @@
+"""Methods from outside the package: a recipe's plug-in files, an installed package's entry point,
+and the folder `ondevice-moe new-method` scaffolds."""
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ondevice_moe.errors import UserError
+from ondevice_moe.methods import registry
+from ondevice_moe.methods.plugins import TRUST_ENV
+from ondevice_moe.methods.scaffold import scaffold
+from ondevice_moe.recipe import load_recipe
+
+TINY_DIGITS = Path(__file__).parent / "recipes" / "tiny-digits.yaml"
+
+
+@pytest.fixture(autouse=True)
+def fresh_registry(monkeypatch):
+    """Each test registers into a copy of the registry, so no plug-in outlives it."""
+    kept = (dict(registry.REGISTRY.specs), dict(registry.REGISTRY.origins), set(registry.REGISTRY._files))
+    monkeypatch.delenv(TRUST_ENV, raising=False)
+    yield
+    for store, saved in zip((registry.REGISTRY.specs, registry.REGISTRY.origins, registry.REGISTRY._files), kept,
+                            strict=True):
+        store.clear()
+        store.update(saved)
+
+
+def _recipe_with_plugin(folder: Path, plugin: str, methods: list) -> Path:
+    raw = yaml.safe_load(TINY_DIGITS.read_text())
+    raw.update(plugins=[plugin], methods=methods)
+    path = folder / "recipe.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def test_a_recipes_plugin_runs_no_code_until_the_user_trusts_it(tmp_path):
+    marker = tmp_path / "ran"
+    (tmp_path / "evil.py").write_text(f"open({str(marker)!r}, 'w').write('x')\nMETHODS = {{}}\n")
+    recipe = _recipe_with_plugin(tmp_path, "evil.py", ["fed-ft"])
+    with pytest.raises(UserError, match="code would run") as caught:
+        load_recipe(recipe)
+    assert "--trust-plugins" in caught.value.fix and not marker.exists()
+
+
+def test_a_trusted_plugin_folder_registers_its_method_with_its_origin(tmp_path, monkeypatch):
+    scaffold("fedprox", tmp_path)
+    monkeypatch.setenv(TRUST_ENV, "1")
+    recipe = load_recipe(_recipe_with_plugin(tmp_path, "fedprox", [{"name": "fedprox", "mu": 0.5}, "fed-ft"]))
+    method = recipe.method(0)
+    assert method.name == "fedprox" and method.procedure.mu == 0.5
+    assert registry.method_origins()["fedprox"] == f"file {tmp_path / 'fedprox'}"
+    assert recipe.plugins == [str(tmp_path / "fedprox")], "kept absolute, so the run folder's copy finds it"
+    assert "fedprox" not in registry.BUILT_IN
+
+
+@pytest.mark.parametrize(("source", "problem"), [
+    ("def broken(:\n", "fails to import"),
+    ("X = 1\n", "defines no METHODS"),
+    ("METHODS = {'fedprox': 42}\n", "not a MethodSpec"),
+    ("from ondevice_moe.methods.registry import BUILT_IN\nMETHODS = {'fedavg': BUILT_IN['fed-ft']}\n", "clashes"),
+])
+def test_a_bad_plugin_file_is_one_clear_message(tmp_path, monkeypatch, source, problem):
+    (tmp_path / "plugin.py").write_text(source)
+    monkeypatch.setenv(TRUST_ENV, "1")
+    with pytest.raises(UserError, match=problem):
+        load_recipe(_recipe_with_plugin(tmp_path, "plugin.py", ["fed-ft"]))
+    assert registry.BUILT_IN["fedavg"] is registry.METHODS["fedavg"]
+
+
+def test_the_scaffold_refuses_a_taken_folder_and_a_bad_name(tmp_path):
+    scaffold("fedprox", tmp_path)
+    with pytest.raises(UserError, match="already exists"):
+        scaffold("fedprox", tmp_path)
+    with pytest.raises(UserError, match="cannot name a folder"):
+        scaffold("../up", tmp_path)
+
+
+def test_the_scaffolded_procedure_passes_its_own_test(tmp_path, monkeypatch):
+    folder = scaffold("fedprox", tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    generated = importlib.import_module(f"fedprox.{next(folder.glob('test_*.py')).stem}")
+    generated.test_the_proximal_term_is_zero_at_the_received_weights_and_grows_away_from_them()
+    for name in [name for name in sys.modules if name == "fedprox" or name.startswith("fedprox.")]:
+        del sys.modules[name]
+
+
+def _install(site: Path) -> None:
+    """An outside method as `pip install` leaves it: a package on the path with its entry point's metadata."""
+    scaffold("fedprox", site)
+    dist = site / "fedprox_method-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: fedprox-method\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text("[ondevice_moe.methods]\nfedprox = fedprox:SPEC\n")
+
+
+@pytest.mark.slow
+def test_an_installed_packages_method_runs_through_flower_without_touching_the_package(tmp_path):
+    site = tmp_path / "site"
+    _install(site)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]),
+           "HF_HUB_OFFLINE": "1"}
+    listed = subprocess.run([sys.executable, "-m", "ondevice_moe", "methods", "list"], env=env, check=True,
+                            capture_output=True, text=True, timeout=120).stdout
+    assert "fedprox" in listed and "package fedprox-method" in listed
+    raw = yaml.safe_load(TINY_DIGITS.read_text())
+    raw.update(methods=[{"name": "fedprox", "mu": 0.1}, "fed-ft"])
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(raw))
+    subprocess.run([sys.executable, "-m", "ondevice_moe", "finetune", str(recipe), "--output", str(tmp_path / "run")],
+                   env=env, check=True, timeout=900)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert {"fedprox", "fed-ft"} <= set(summary["methods"])
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert any(r.get("method") == "fedprox" and r.get("kind") == "done" for r in records)
