@@ -43,4 +43,5 @@ def test_wheel_contains_the_recipes_and_the_command(tmp_path):
     recipes = {Path(n).name for n in names if n.startswith("ondevice_moe/recipes/") and n.endswith(".yaml")}
     assert recipes == {path.name for path in BUNDLED_RECIPES.glob("*.yaml")}
     assert "demo.yaml" in recipes
+    assert "ondevice_moe/py.typed" in names  # the type hints reach users (PEP 561)
     assert "ondevice-moe = ondevice_moe.cli:main" in entry_points
