@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any, Literal
 import yaml
 from torch import nn
 
-from ondevice_moe.distribution import BUNDLED_RECIPES
 from ondevice_moe.errors import UserError
+from ondevice_moe.launch import find_recipe, set_run_environment
 from ondevice_moe.layout import CLIENT_LEVEL_KINDS, Layout, attach_layout, sites_of
 from ondevice_moe.methods.registry import method_spec
 
@@ -40,18 +40,6 @@ OPTIONS_PREFIX = "method 'mixture': "  # how method_options starts its problems
 Overrides = Mapping[str, Any] | Sequence[str]
 """Recipe overrides: ``{"federation.rounds": 5}`` (Python values), or the CLI's ``--set`` texts
 ``["federation.rounds=5"]`` (values parsed as YAML)."""
-
-
-# What `ondevice-moe` sets before anything runs (cli.RUN_ENVIRONMENT, which this module cannot import: the
-# CLI imports the package root, which imports this module; tests/test_api.py checks that both agree).
-RUN_ENVIRONMENT = {
-    "FLWR_TELEMETRY_ENABLED": "0",  # no phone-home thread
-    "FLWR_LOG_LEVEL": "ERROR",
-    "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0",
-    "RAY_DEDUP_LOGS": "0",
-    "TOKENIZERS_PARALLELISM": "false",
-    "OMP_WAIT_POLICY": "PASSIVE",  # waiting threads sleep: spinning ones starve the busy ones on shared cores
-}
 
 
 # -- recipes ------------------------------------------------------------------------------
@@ -94,21 +82,7 @@ def load_recipe(recipe: str | os.PathLike[str] | Recipe, overrides: Overrides | 
     if not isinstance(recipe, str | os.PathLike):
         raise UserError(f"cannot read a recipe from a {type(recipe).__name__}",
                         "pass a YAML file's path, a bundled recipe's name (e.g. 'demo') or a Recipe")
-    return recipes.load_recipe(_recipe_file(Path(recipe)), texts, seed)
-
-
-def _recipe_file(path: Path) -> Path:
-    """``path`` when it exists, else the bundled recipe of that name (``demo`` or ``demo.yaml``), else
-    ``path`` for :func:`~ondevice_moe.recipe.load_recipe` to report missing — as the CLI finds a recipe
-    (``cli._find_recipe``, which this module cannot import: the CLI imports the package root, which
-    imports this module; tests/test_api.py checks that both agree)."""
-    if path.is_dir():
-        raise UserError(f"recipe {path} is a folder, not a YAML file",
-                        f"pass a .yaml file, e.g. {path / 'recipe.yaml'} (a run folder holds one)")
-    if path.exists():
-        return path
-    bundled = BUNDLED_RECIPES / path.name
-    return next((file for file in (bundled, bundled.with_name(f"{path.name}.yaml")) if file.is_file()), path)
+    return recipes.load_recipe(find_recipe(Path(recipe)), texts, seed)
 
 
 def _override_texts(overrides: Overrides | None) -> list[str]:
@@ -196,8 +170,7 @@ def finetune(
     """
     from ondevice_moe.runner import run_recipe
 
-    for key, value in RUN_ENVIRONMENT.items():
-        os.environ.setdefault(key, value)
+    set_run_environment()
     texts = _override_texts(overrides)
     if device is not None:
         texts.append(f"model.device={device}")

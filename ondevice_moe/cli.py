@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import shutil
 import time
 from pathlib import Path
@@ -14,8 +13,9 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Column, Table
 
-from ondevice_moe import BUNDLED_RECIPES, __version__
+from ondevice_moe.distribution import BUNDLED_RECIPES, VERSION
 from ondevice_moe.errors import UserError
+from ondevice_moe.launch import bundled_recipe, find_recipe, set_run_environment
 
 if TYPE_CHECKING:
     from ondevice_moe.plan import DevicePlan
@@ -40,7 +40,7 @@ DEVICE_HELP = "Where the model runs (recipe key model.device): auto picks CUDA w
 
 def _show_version(value: bool) -> None:
     if value:
-        console.print(f"ondevice-moe {__version__}")
+        console.print(f"ondevice-moe {VERSION}")
         raise typer.Exit()
 
 
@@ -75,7 +75,7 @@ def finetune(
     overrides = [*set_, f"model.device={device}"] if device else set_
     _trust(trust_plugins)
     try:
-        loaded = load_recipe(_find_recipe(recipe), overrides, seed)
+        loaded = load_recipe(find_recipe(recipe), overrides, seed)
         if dry_run:
             _print_plan(loaded, output)
             return
@@ -330,7 +330,7 @@ def list_recipes() -> None:
 def show_recipe(name: Annotated[str, typer.Argument(help="A bundled recipe, e.g. demo or demo.yaml.")]) -> None:
     """Print a bundled recipe's YAML."""
     try:
-        path = _bundled_recipe(name)
+        path = bundled_recipe(name)
     except UserError as error:
         _fail(error)
     _print_yaml(path.read_text(encoding="utf-8"))
@@ -344,7 +344,7 @@ def copy_recipe(
 ) -> None:
     """Copy a bundled recipe to edit it."""
     try:
-        source = _bundled_recipe(name)
+        source = bundled_recipe(name)
         target = dest / source.name if dest.is_dir() else dest
         if target.exists() and not force:
             raise UserError(f"{target} already exists", "choose another DEST, or pass --force to overwrite it")
@@ -359,35 +359,6 @@ def copy_recipe(
 def _print_yaml(text: str) -> None:
     """YAML as written: no markup, no wrapping, so the output can be redirected to a file."""
     console.print(text.rstrip("\n"), markup=False, highlight=False, soft_wrap=True)
-
-
-def _bundled_recipe(name: str) -> Path:
-    """The bundled recipe called ``name`` (with or without ``.yaml``)."""
-    path = BUNDLED_RECIPES / Path(name).name
-    for candidate in (path, path.with_name(f"{path.name}.yaml")):
-        if candidate.is_file():
-            return candidate
-    names = ", ".join(p.stem for p in sorted(BUNDLED_RECIPES.glob("*.yaml")))
-    raise UserError(f"no bundled recipe '{name}'", f"use one of: {names}")
-
-
-def _find_recipe(recipe: Path) -> Path:
-    """A readable recipe file: the path as given, or the name of a bundled recipe."""
-    if not recipe.exists():
-        try:
-            return _bundled_recipe(str(recipe))
-        except UserError:
-            return recipe  # load_recipe names the missing file
-    if recipe.is_dir():
-        raise UserError(f"recipe {recipe} is a folder, not a YAML file",
-                        f"pass a .yaml file, e.g. {recipe / 'recipe.yaml'} (a run folder holds one)")
-    try:
-        with recipe.open("rb"):
-            pass
-    except OSError as error:
-        raise UserError(f"cannot read recipe {recipe} ({error.strerror or error})",
-                        "check the file's permissions (e.g. chmod u+r) or copy it somewhere readable") from None
-    return recipe
 
 
 def _print_plan(recipe: Recipe, output: Path | None) -> None:
@@ -434,21 +405,6 @@ def _fail(error: UserError) -> NoReturn:
     raise typer.Exit(code=2)
 
 
-RUN_ENVIRONMENT = {
-    "FLWR_TELEMETRY_ENABLED": "0",  # no phone-home thread (and no network here)
-    "FLWR_LOG_LEVEL": "ERROR",  # Flower's INFO lines and run_simulation's deprecation notice
-    "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0",
-    "RAY_DEDUP_LOGS": "0",
-    "TOKENIZERS_PARALLELISM": "false",
-    # OpenMP threads sleep instead of spinning when they wait. With the cores shared (several
-    # simulated clients, or any other job) spinning threads starve the ones with work: a
-    # FLoRAL step on SmolLM2 took 72-115 s with spinning and 6-10 s without, on 2 threads
-    # of a busy 2-core machine. Read when torch loads, so it is set before any import of it.
-    "OMP_WAIT_POLICY": "PASSIVE",
-}
-
-
 def main() -> None:
-    for key, value in RUN_ENVIRONMENT.items():
-        os.environ.setdefault(key, value)
+    set_run_environment()
     app()

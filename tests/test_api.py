@@ -180,19 +180,19 @@ def test_finetune_warns_of_an_insecure_superlink(monkeypatch, tmp_path):
         ondevice_moe.finetune(TINY, federation="elsewhere")
 
 
-def test_the_api_finds_recipes_and_sets_the_environment_as_the_cli_does(tmp_path, monkeypatch):
-    from ondevice_moe import api, cli
+def test_a_recipe_is_a_file_first_then_a_bundled_name(tmp_path, monkeypatch):
+    from ondevice_moe.launch import find_recipe
 
-    assert api.RUN_ENVIRONMENT == cli.RUN_ENVIRONMENT
     monkeypatch.chdir(tmp_path)
     (tmp_path / "mine.yaml").write_text("name: mine\n")
     (tmp_path / "demo").write_text("a file that shadows the bundled name\n")
-    for given in ("demo.yaml", "comigs-gpt2-agnews", "mine.yaml", "demo", "no-such-recipe", "sub/flow-digits.yaml"):
-        assert api._recipe_file(Path(given)) == cli._find_recipe(Path(given)), given
-    assert api._recipe_file(Path("demo.yaml")) == ondevice_moe.BUNDLED_RECIPES / "demo.yaml"
+    assert find_recipe(Path("demo.yaml")) == ondevice_moe.BUNDLED_RECIPES / "demo.yaml"
+    assert find_recipe(Path("comigs-gpt2-agnews")) == ondevice_moe.BUNDLED_RECIPES / "comigs-gpt2-agnews.yaml"
+    assert find_recipe(Path("mine.yaml")) == Path("mine.yaml")
+    assert find_recipe(Path("demo")) == Path("demo"), "a file of the user's shadows a bundled name"
+    assert find_recipe(Path("no-such-recipe")) == Path("no-such-recipe"), "left for the loader to report missing"
     with pytest.raises(UserError, match="is a folder"):
-        api._recipe_file(tmp_path)
-
+        find_recipe(tmp_path)
 
 def test_load_recipe_writes_python_values_as_yaml_that_reads_back_the_same():
     recipe = ondevice_moe.load_recipe("demo.yaml", {
