@@ -1,11 +1,14 @@
-"""Task metrics in plain numpy.
+"""Task metrics, computed by scikit-learn and scipy.
 
 Accuracy for most tasks, F1 of the positive class for MRPC, Matthews
 correlation for CoLA and Spearman rank correlation for STS-B (Hermes Table 1);
 mean squared error for the synthetic regression tasks (FLoRAL Table 3,
-FedSoft Table 1), where lower is better. Each agrees with its scikit-learn /
-scipy counterpart (see ``tests/test_tasks.py``); undefined correlations (a
-constant input) score 0.0, as in scikit-learn.
+FedSoft Table 1), where lower is better. Undefined correlations (a constant
+input) score 0.0, as scikit-learn's Matthews correlation does; inputs are
+checked here, so that a bad pair of arrays fails the same way for every metric.
+
+scikit-learn and scipy are imported where a score is computed: the report
+reads :data:`LOWER_IS_BETTER` from here and should not wait for them.
 """
 
 from __future__ import annotations
@@ -21,48 +24,54 @@ Values = Sequence[float] | np.ndarray
 
 def accuracy(predictions: Values, labels: Values) -> float:
     """Share of predictions equal to their label."""
+    from sklearn.metrics import accuracy_score
+
     predicted, expected = _paired(predictions, labels)
-    return float(np.mean(predicted == expected))
+    return float(accuracy_score(expected, predicted))
 
 
 def binary_f1(predictions: Values, labels: Values, positive: int = 1) -> float:
-    """F1 of the ``positive`` class: ``2 tp / (2 tp + fp + fn)``, 0.0 when there is no positive at all."""
+    """F1 of the ``positive`` class, ``2 tp / (2 tp + fp + fn)``, whatever other classes there are;
+    0.0 when there is no positive at all."""
+    from sklearn.metrics import f1_score
+
     predicted, expected = _paired(predictions, labels)
-    predicted_positive, actual_positive = predicted == positive, expected == positive
-    true_positives = np.sum(predicted_positive & actual_positive)
-    denominator = np.sum(predicted_positive) + np.sum(actual_positive)
-    return float(2 * true_positives / denominator) if denominator else 0.0
+    return float(f1_score(expected, predicted, labels=[positive], average=None, zero_division=0.0)[0])
 
 
 def matthews_correlation(predictions: Values, labels: Values) -> float:
-    """Matthews correlation, multi-class as Gorodkin's R_K; 0.0 when undefined."""
+    """Matthews correlation, multi-class as Gorodkin's R_K (Gorodkin 2004); 0.0 when undefined."""
+    from sklearn.metrics import matthews_corrcoef
+
     predicted, expected = _paired(predictions, labels)
-    confusion = _confusion_matrix(predicted, expected).astype(float)  # n**4 overflows int64 for n > 55k
-    total, correct = confusion.sum(), np.trace(confusion)
-    true_counts, predicted_counts = confusion.sum(axis=1), confusion.sum(axis=0)
-    covariance = correct * total - true_counts @ predicted_counts
-    variance_predicted = total**2 - predicted_counts @ predicted_counts
-    variance_true = total**2 - true_counts @ true_counts
-    denominator = np.sqrt(variance_predicted * variance_true)
-    return float(covariance / denominator) if denominator else 0.0
+    if np.unique(np.concatenate([predicted, expected])).size == 1:
+        return 0.0  # one class in all: undefined (scikit-learn says 0.0 too, after a warning)
+    return float(matthews_corrcoef(expected, predicted))
 
 
 def spearman(predictions: Values, labels: Values) -> float:
-    """Spearman rank correlation with average ranks for ties; 0.0 when an input is constant."""
+    """Spearman rank correlation with average ranks for ties; 0.0 when an input is constant
+    (where scipy warns and returns nan)."""
+    from scipy.stats import spearmanr
+
     predicted, expected = _paired(predictions, labels)
-    rank_x, rank_y = _average_ranks(predicted), _average_ranks(expected)
-    rank_x, rank_y = rank_x - rank_x.mean(), rank_y - rank_y.mean()
-    denominator = np.sqrt((rank_x @ rank_x) * (rank_y @ rank_y))
-    return float(rank_x @ rank_y / denominator) if denominator else 0.0
+    if np.ptp(predicted) == 0 or np.ptp(expected) == 0:
+        return 0.0
+    return float(spearmanr(predicted, expected).statistic)
 
 
 def mean_squared_error(predictions: Values, labels: Values) -> float:
-    """Mean over examples and outputs of the squared error; ``(N,)`` and ``(N, 1)`` arrays pair up."""
+    """Mean over examples and outputs of the squared error; ``(N,)`` and ``(N, 1)`` arrays pair up.
+    nan when a prediction is not finite (a diverged model), where scikit-learn refuses the input."""
+    from sklearn.metrics import mean_squared_error as squared_error
+
     predicted, expected = np.asarray(predictions, dtype=float), np.asarray(labels, dtype=float)
     if predicted.size == 0 or predicted.size != expected.size or len(predicted) != len(expected):
         raise ValueError(f"need two equally sized, non-empty arrays of examples, got {predicted.shape} and "
                          f"{expected.shape}")
-    return float(np.mean((predicted.reshape(expected.shape) - expected) ** 2))
+    if not np.isfinite(predicted).all():
+        return float("nan")
+    return float(squared_error(expected, predicted.reshape(expected.shape)))
 
 
 METRICS: dict[str, Callable[[Values, Values], float]] = {
@@ -94,23 +103,6 @@ def _paired(predictions: Values, labels: Values) -> tuple[np.ndarray, np.ndarray
     if predicted.shape != expected.shape or predicted.ndim != 1 or predicted.size == 0:
         raise ValueError(f"need two equally long, non-empty 1-d arrays, got {predicted.shape} and {expected.shape}")
     return predicted, expected
-
-
-def _confusion_matrix(predicted: np.ndarray, expected: np.ndarray) -> np.ndarray:
-    """Counts of (true class, predicted class) pairs over the classes seen in either array."""
-    _, codes = np.unique(np.concatenate([expected, predicted]), return_inverse=True)
-    num_classes = int(codes.max()) + 1
-    true_codes, predicted_codes = codes[: expected.size], codes[expected.size :]
-    return np.bincount(true_codes * num_classes + predicted_codes, minlength=num_classes**2).reshape(
-        num_classes, num_classes
-    )
-
-
-def _average_ranks(values: np.ndarray) -> np.ndarray:
-    """1-based ranks; tied values share the mean of the ranks they span."""
-    _, groups, counts = np.unique(values, return_inverse=True, return_counts=True)
-    first_rank = np.cumsum(counts) - counts + 1
-    return (first_rank + (counts - 1) / 2)[groups]
 
 
 __all__ = ["LOWER_IS_BETTER", "METRICS", "accuracy", "binary_f1", "lower_is_better", "matthews_correlation",

@@ -1,4 +1,4 @@
-"""Classification tasks, Dirichlet label-skew partitions and GLUE metrics."""
+"""Classification tasks and Dirichlet label-skew partitions (their metrics: tests/test_metrics.py)."""
 
 import dataclasses
 import json
@@ -10,8 +10,6 @@ import datasets
 import numpy as np
 import pytest
 import torch
-from scipy.stats import spearmanr
-from sklearn.metrics import accuracy_score, f1_score, matthews_corrcoef, mean_squared_error
 
 from ondevice_moe.data.classification import build_federated_task
 from ondevice_moe.data.partition import dirichlet_partition, dirichlet_proportions, label_bins, partition_by_proportions
@@ -29,7 +27,7 @@ from ondevice_moe.data.tasks import (
 from ondevice_moe.errors import UserError
 from ondevice_moe.federation import device as dev
 from ondevice_moe.federation.job import Job
-from ondevice_moe.metrics import METRICS, accuracy, binary_f1, matthews_correlation, spearman, task_score
+from ondevice_moe.metrics import METRICS
 from ondevice_moe.models.tiny import byte_tokenizer
 from ondevice_moe.recipe import TaskSection, load_recipe
 
@@ -320,61 +318,6 @@ def test_label_bins_are_equal_width():
     assert label_bins([1.0, 2.0, 3.0], num_bins=2) == [0, 1, 1]
     assert label_bins([3.0, 3.0]) == [0, 0]
     assert label_bins([]) == []
-
-
-# ---------------------------------------------------------------- metrics
-
-
-def test_metrics_known_values():
-    # Binary: tp=3, tn=4, fp=1, fn=2 → MCC = (3·4 − 1·2) / sqrt(4·5·5·6) = 10 / sqrt(600)
-    labels = [1, 1, 1, 1, 1, 0, 0, 0, 0, 0]
-    predictions = [1, 1, 1, 0, 0, 0, 0, 0, 0, 1]
-    assert matthews_correlation(predictions, labels) == pytest.approx(10 / math.sqrt(600))
-    assert binary_f1(predictions, labels) == pytest.approx(2 * 3 / (2 * 3 + 1 + 2))
-    assert accuracy(predictions, labels) == pytest.approx(0.7)
-    # 3 classes: confusion [[1,1,0],[0,2,0],[1,0,1]]; trace 4, n 6, true counts (2,2,2), predicted (2,3,1)
-    # R_K = (4·6 − (2·2 + 2·3 + 2·1)) / sqrt((36 − (4+9+1)) · (36 − (4+4+4))) = 12 / sqrt(22·24)
-    assert matthews_correlation([0, 1, 1, 1, 2, 0], [0, 0, 1, 1, 2, 2]) == pytest.approx(12 / math.sqrt(528))
-    # ranks of y = (1, 2, 3.5, 5, 3.5); centred dot 8, norms² 10 and 9.5
-    assert spearman([1, 2, 3, 4, 5], [5, 6, 7, 8, 7]) == pytest.approx(8 / math.sqrt(95))
-
-
-def test_metrics_are_zero_when_undefined():
-    assert matthews_correlation([1, 1, 1], [0, 1, 0]) == 0.0
-    assert spearman([2.0, 2.0, 2.0], [0.1, 0.5, 0.2]) == 0.0
-    assert binary_f1([0, 0], [0, 0]) == 0.0
-
-
-@pytest.mark.parametrize("seed", range(5))
-def test_metrics_match_sklearn_and_scipy(seed):
-    rng = np.random.default_rng(seed)
-    labels, predictions = rng.integers(0, 2, 200), rng.integers(0, 2, 200)
-    assert accuracy(predictions, labels) == pytest.approx(accuracy_score(labels, predictions))
-    assert binary_f1(predictions, labels) == pytest.approx(f1_score(labels, predictions))
-    assert binary_f1(predictions, labels, positive=0) == pytest.approx(f1_score(labels, predictions, pos_label=0))
-    assert matthews_correlation(predictions, labels) == pytest.approx(matthews_corrcoef(labels, predictions))
-    multi_labels, multi_predictions = rng.integers(0, 4, 300), rng.integers(0, 4, 300)
-    multi_predictions[:150] = multi_labels[:150]
-    expected_mcc = matthews_corrcoef(multi_labels, multi_predictions)
-    assert matthews_correlation(multi_predictions, multi_labels) == pytest.approx(expected_mcc)
-    scores = rng.uniform(0, 5, 100).round(1)  # rounding makes ties
-    noisy = scores + rng.normal(0, 1, 100).round(0)
-    assert spearman(noisy, scores) == pytest.approx(spearmanr(noisy, scores).statistic)
-
-
-def test_mean_squared_error_matches_sklearn():
-    rng = np.random.default_rng(0)
-    labels, predictions = rng.normal(size=(50, 3)), rng.normal(size=(50, 3))
-    assert METRICS["mse"](predictions, labels) == pytest.approx(mean_squared_error(labels, predictions))
-    assert METRICS["mse"]([1.0, 2.0], [[1.0], [4.0]]) == pytest.approx(2.0)  # (N,) predictions against (N, 1) labels
-    with pytest.raises(ValueError, match="equally sized"):
-        METRICS["mse"]([1.0, 2.0], [1.0])
-
-
-def test_task_score_dispatches_and_rejects_unknown_metrics():
-    assert task_score("f1", [1, 0, 1], [1, 1, 1]) == pytest.approx(0.8)
-    with pytest.raises(UserError, match="bleu"):
-        task_score("bleu", [1], [1])
 
 
 def test_data_seed_fixes_the_partition_across_training_seeds(tmp_path):
