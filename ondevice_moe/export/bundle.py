@@ -1,9 +1,11 @@
 """One export: a user's trained model from a finished run, written to a folder (and pushed).
 
 The folder holds, by ``fmt``: the toolkit's format (``toolkit``: the whole model,
-:mod:`~ondevice_moe.export.toolkit_format`), one PEFT adapter per LoRA expert in
-``<expert>/`` (``peft``: :mod:`~ondevice_moe.export.peft_format`), or both
-(the default); and always the model card ``README.md``.
+:mod:`~ondevice_moe.export.toolkit_format`), PEFT adapters (``peft``:
+:mod:`~ondevice_moe.export.peft_format`; one adapter at the top of the folder, so that
+``AutoPeftModelForCausalLM.from_pretrained`` loads the folder or its Hub repository,
+several — a routed mixture's experts — in ``<expert>/``), or both (the default); and
+always the model card ``README.md``.
 """
 
 from __future__ import annotations
@@ -14,17 +16,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ondevice_moe.errors import UserError
+from ondevice_moe.export.base_model import base_model_of
 from ondevice_moe.export.experts import model_parts, select_parts
 from ondevice_moe.export.hub import check_online, push_to_hub
 from ondevice_moe.export.mixture_gap import GAP_BLOCKS, MixtureGap, mixture_gap
-from ondevice_moe.export.model_card import base_model_of, model_card, write_model_card
-from ondevice_moe.export.peft_format import check_peft_expressible, peft_experts, write_peft_folder
+from ondevice_moe.export.model_card import model_card, write_model_card
+from ondevice_moe.export.peft_format import WEIGHTS, check_peft_expressible, peft_adapters, write_peft_folder
 from ondevice_moe.export.toolkit_format import MANIFEST, RECIPE, TENSORS, WRITTEN_LIST, write_toolkit_export
 from ondevice_moe.names import is_plain_name
 from ondevice_moe.run_model import UserModel, open_user_model
 
 FORMATS = ("both", "toolkit", "peft")
-WRITTEN = ("README.md", MANIFEST, RECIPE, TENSORS)
+WRITTEN = ("README.md", MANIFEST, RECIPE, TENSORS, "adapter_config.json", WEIGHTS)
 
 
 @dataclass(frozen=True)
@@ -69,12 +72,13 @@ def export_user(run_dir: Path, method: str, user: str, to: Path, experts: list[s
     if fmt != "peft":
         write_toolkit_export(user_model, parts, selected, folder)
     base = base_model_of(user_model.recipe.model.name)
-    names = peft_experts(selected) if fmt != "toolkit" else []
-    peft_folders = tuple(write_peft_folder(user_model, selected, name, folder / name, base.name)
-                         for name in names)
+    adapters = peft_adapters(user_model.model, parts, selected) if fmt != "toolkit" else []
+    peft_folders = tuple(write_peft_folder(user_model, selected, adapter,
+                                           folder if len(adapters) == 1 else folder / adapter.name, base)
+                         for adapter in adapters)
     gap = _gap(user_model)
-    write_model_card(folder, model_card(user_model, parts, selected, names, fmt != "peft", gap,
-                                          push_to or folder.name))
+    write_model_card(folder, model_card(user_model, parts, selected, adapters, fmt != "peft", gap, base,
+                                        push_to or folder.name, pushed=push_to is not None))
     _record_written(folder, peft_folders)
     url = push_to_hub(folder, push_to, private) if push_to is not None else None
     return ExportResult(folder, tuple(selected), peft_folders, gap, url)
@@ -121,7 +125,8 @@ def _clear_previous(folder: Path) -> None:
 
 
 def _record_written(folder: Path, peft_folders: tuple[Path, ...]) -> None:
-    names = [name for name in WRITTEN if (folder / name).is_file()] + [path.name for path in peft_folders]
+    names = [name for name in WRITTEN if (folder / name).is_file()] + [path.name for path in peft_folders
+                                                                       if path != folder]
     (folder / WRITTEN_LIST).write_text(json.dumps(names), encoding="utf-8")
 
 

@@ -3,10 +3,11 @@
 PEFT holds LoRA experts as adapters that are on or off for the whole input; the
 closest it comes to a routed mixture is a merge, ``W + Σ_j w_j ΔW_j`` in every
 layer the experts adapt (e.g. ``add_weighted_adapter``), with equal weights (the
-*average*, ``w_j = 1/n``) or all on (the *sum*, ``w_j = 1``); the always-on
-attention LoRA stays as it is. A routed MLP mixture is
-``Σ_j g_j(x) MLP_j(x)`` with per-token weights ``g(x)`` and a nonlinearity inside
-each expert, so no merge equals it. :func:`mixture_gap` measures the difference
+*average*, ``w_j = 1/n``, which is what FedAvg's fixed weights export as) or all on
+(the *sum*, ``w_j = 1``); the always-on attention LoRA stays as it is. An MLP mixture
+is ``Σ_j g_j(x) MLP_j(x)``, with weights ``g(x)`` per token (a router) or fixed
+(FedAvg's ``1/2``) and a nonlinearity inside each expert, so no merge equals it
+(:mod:`~ondevice_moe.export.merge`). :func:`mixture_gap` measures the difference
 on a user's test blocks: mean |Δ logit| and perplexity of each model.
 """
 
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ondevice_moe.experts import LoRA
+from ondevice_moe.export.merge import merged_lora
 from ondevice_moe.likelihood import block_nll, perplexity_of
 from ondevice_moe.mixture import mixtures
 from ondevice_moe.routing import UniformRouter
@@ -39,17 +40,6 @@ class MixtureGap:
     perplexity_sum: float
 
 
-def merged_loras(loras: list[LoRA], weight: float) -> LoRA:
-    """One LoRA equal to ``Σ_j weight·γ_j B_j A_j``: the experts' ranks side by side."""
-    first = loras[0]
-    merged = LoRA(first.lora_A.shape[1], first.lora_B.shape[0], sum(lora.rank for lora in loras), 1.0)
-    merged.scaling = 1.0
-    with torch.no_grad():
-        merged.lora_A.copy_(torch.cat([lora.lora_A for lora in loras]))
-        merged.lora_B.copy_(torch.cat([lora.lora_B * lora.scaling * weight for lora in loras], dim=1))
-    return merged.to(first.lora_A.device)
-
-
 def merged_model(model: nn.Module, weight: float) -> nn.Module | None:
     """A copy of ``model`` whose MLP mixtures hold one LoRA expert, the merge of theirs with
     every expert at ``weight``; ``None`` when a mixture holds an expert that is not LoRA."""
@@ -59,7 +49,7 @@ def merged_model(model: nn.Module, weight: float) -> nn.Module | None:
         if not all(isinstance(expert, nn.ModuleDict) for expert in experts):
             return None
         site.experts = nn.ModuleDict({"merged": nn.ModuleDict({
-            linear: merged_loras([expert[linear] for expert in experts], weight) for linear in experts[0]})})
+            linear: merged_lora([(expert[linear], weight) for expert in experts]) for linear in experts[0]})})
         site.router = UniformRouter(1)
     return merged
 
