@@ -7,13 +7,13 @@ client calls them, and unit tests call them directly.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 import torch
 from torch import nn
+from torch.optim.lr_scheduler import LinearLR, LRScheduler, SequentialLR
 
 from ondevice_moe.example_loss import EXAMPLE_WEIGHTS, example_loss
 from ondevice_moe.layout import hermes_routers, routing_sites, total_balance_loss
@@ -113,7 +113,7 @@ class DeviceTrainer:
         groups = [group for group in groups if group["params"]]
         if groups:
             self.expert_optimizer = self._optimizer(groups, self.config.lr, self.config.weight_decay)
-            self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.expert_optimizer, self._schedule())
+            self.scheduler = self._schedule(self.expert_optimizer)
         if self.method.procedure.routers == "bilevel" and self.router_parameters():
             self.router_optimizer = self._optimizer(self.router_parameters(), self.config.router_lr,
                                                     self.config.router_weight_decay)
@@ -132,15 +132,14 @@ class DeviceTrainer:
             return torch.optim.SGD(params, lr=lr, momentum=self.config.momentum, weight_decay=weight_decay)
         return torch.optim.AdamW(params, lr=lr, betas=self.config.betas, weight_decay=weight_decay)
 
-    def _schedule(self) -> Callable[[int], float]:
-        """The experts' learning-rate factor per step."""
+    def _schedule(self, optimizer: torch.optim.Optimizer) -> LRScheduler | None:
+        """The experts' learning-rate schedule, stepped once per expert step; none for a constant rate."""
         total = max(self.config.total_iterations, 1)
         if self.config.lr_schedule == "one-cycle-cosine":
-            warmup = max(1, round(self.config.warmup_fraction * total))
-            return lambda step: one_cycle_cosine(step, total, warmup)
+            return one_cycle_cosine(optimizer, total, warmup=max(1, round(self.config.warmup_fraction * total)))
         if self.config.lr_schedule == "cosine":
-            return lambda step: cosine_to_tenth(step, total)
-        return lambda step: 1.0
+            return cosine_to_tenth(optimizer, total)
+        return None
 
     # -- parameter groups -------------------------------------------------
     def expert_parameters(self) -> list[nn.Parameter]:
@@ -248,23 +247,35 @@ class DeviceTrainer:
             if target is not None and state.get(key) is not None:
                 target.load_state_dict(state[key])
 
-def one_cycle_cosine(step: int, total: int, warmup: int, start: float = 1 / 25, end: float = 1e-4) -> float:
-    """Learning-rate factor of a one-cycle cosine schedule (CoMiGS App. B.1.2).
 
-    Linear warm-up from ``start`` to 1 over ``warmup`` steps, then a cosine
-    decay to ``end`` at ``total`` steps (held there afterwards).
-    """
-    if step < warmup:
-        return start + (1 - start) * step / warmup
-    progress = min(1.0, (step - warmup) / max(total - warmup, 1))
-    return end + (1 - end) * 0.5 * (1 + math.cos(math.pi * progress))
+def one_cycle_cosine(optimizer: torch.optim.Optimizer, total: int, warmup: int, start: float = 1 / 25,
+                     end: float = 1e-4) -> LRScheduler:
+    """The one-cycle cosine schedule of CoMiGS App. B.1.2, on each parameter group's own rate r:
+    linear warm-up from ``start``·r to r over ``warmup`` steps (torch's ``LinearLR``), then a cosine
+    decay to ``end``·r at step ``total``, held there afterwards (:func:`_cosine_decay`), joined by
+    torch's ``SequentialLR``. When ``warmup`` reaches ``total`` the decay takes one step."""
+    warm_up = LinearLR(optimizer, start_factor=start, end_factor=1.0, total_iters=warmup)
+    decay = _cosine_decay(optimizer, steps=max(total - warmup, 1), floor=end)
+    return SequentialLR(optimizer, [warm_up, decay], milestones=[warmup])
 
 
-def cosine_to_tenth(step: int, total: int) -> float:
-    """Learning-rate factor of ``CosineAnnealingLR(T_max=total, eta_min=lr/10)``, the
-    experts' schedule in the CoMiGS authors' code: from 1 to 0.1, held there afterwards."""
-    progress = min(1.0, step / total)
-    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+def cosine_to_tenth(optimizer: torch.optim.Optimizer, total: int) -> LRScheduler:
+    """The experts' schedule in the CoMiGS authors' code, ``CosineAnnealingLR(T_max=total,
+    eta_min=lr/10)``: a cosine decay of each group's rate r to r/10 at step ``total``, held there
+    afterwards (:func:`_cosine_decay`)."""
+    return _cosine_decay(optimizer, steps=total, floor=0.1)
+
+
+def _cosine_decay(optimizer: torch.optim.Optimizer, steps: int, floor: float) -> LRScheduler:
+    """A cosine from each group's rate r down to ``floor``·r over ``steps`` steps, then ``floor``·r:
+    transformers' warm-up–stable–decay schedule (Hu et al. 2024, MiniCPM) with only its decay.
+
+    Not torch's ``CosineAnnealingLR``: its floor ``eta_min`` is one rate for every group, where
+    FLoRAL's routers train in a group at a rate of their own, and past ``T_max`` it climbs back up."""
+    from transformers.optimization import get_wsd_schedule  # imports peft: only where a cosine is asked for
+
+    return get_wsd_schedule(optimizer, num_warmup_steps=0, num_stable_steps=0, num_decay_steps=steps,
+                            min_lr_ratio=floor)
 
 
 def to_device(batch: Batch, device: torch.device) -> Batch:
