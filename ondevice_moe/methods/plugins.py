@@ -66,7 +66,8 @@ class Registry:
                             "point it at a MethodSpec(options, build, tasks) (docs/adding-a-method.md)")
         if self.origins.get(name, origin) != origin:
             raise UserError(f"method '{name}' of {origin} clashes with the one of {self.origins[name]}",
-                            "give the plug-in's method another name")
+                            "give one of them another name, or drop the recipe's plugins: entry when the same "
+                            "method is installed as a package")
         self.specs[name] = spec
         self.origins[name] = origin
 
