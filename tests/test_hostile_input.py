@@ -99,13 +99,12 @@ def test_a_fifo_as_data_is_refused_instead_of_blocking(tmp_path):
     assert "is not a regular file or folder" in outcome.get("error", "blocked on the FIFO")
 
 
-def test_an_oversized_csv_field_is_one_message(tmp_path):
+def test_an_oversized_csv_field_is_read_whole(tmp_path):
     data = tmp_path / "big.csv"
-    data.write_text("text,label\n" + "x" * 200_000 + ",pos\n")
+    data.write_text("text,label\n" + "x" * 200_000 + ",pos\n" + "short,neg\n" * 9)
     task = user_task("big", ["neg", "pos"], UserTaskFile(data, ("text",), "label"))
-    with pytest.raises(UserError, match="is not valid CSV") as raised:
-        load_task(task, "train")
-    assert "131,072" in raised.value.fix
+    texts = load_task(task, "train").texts + load_task(task, "test").texts
+    assert ("x" * 200_000,) in texts  # datasets reads CSV through pandas, which has no field-size limit
 
 
 def test_a_run_folder_with_a_crafted_recipe_is_one_message(tmp_path):

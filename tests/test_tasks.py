@@ -8,6 +8,7 @@ from pathlib import Path
 
 import datasets
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 
@@ -15,12 +16,14 @@ from ondevice_moe.data.classification import build_federated_task
 from ondevice_moe.data.partition import dirichlet_partition, dirichlet_proportions, label_bins, partition_by_proportions
 from ondevice_moe.data.small import SMALL_TASKS
 from ondevice_moe.data.tasks import (
+    SPLITS,
     TASKS,
     LabelledExamples,
     UserTaskFile,
     check_labels,
     fixed_split,
     get_task,
+    load_client_tasks,
     load_task,
     user_task,
 )
@@ -193,9 +196,9 @@ def test_user_task_feeds_the_federated_task_builder(tmp_path):
 
 @pytest.mark.parametrize(
     ("rows", "message"),
-    [(["a,maybe"], r"invalid label 'maybe' at index \d+ \(row order"),
-     (["a,2"], r"invalid label 2\.0 at index"),
-     (["a,-1"], r"invalid label -1\.0")],
+    [(["a,maybe"], r"row 13: the label 'maybe' in column 'verdict' is not a class of task 'movies'"),
+     (["a,2"], r"row 13: the label '2' in column"),
+     (["a,-1"], r"row 13: the label '-1' in column")],
 )
 def test_user_labels_that_do_not_match_the_task(tmp_path, rows, message):
     path = _write_csv(tmp_path / "movies.csv", _movie_rows(12) + rows)
@@ -208,22 +211,23 @@ def test_user_labels_that_do_not_match_the_task(tmp_path, rows, message):
 def test_user_file_problems_raise_user_errors(tmp_path):
     with pytest.raises(UserError, match="does not exist"):
         load_task(_csv_task(tmp_path / "missing.csv"), "train")
-    with pytest.raises(UserError, match=r"no column \['text'\]; its header is \['review', 'verdict'\]") as error:
+    with pytest.raises(UserError, match=r"no column \['text'\]; its columns are \['review', 'verdict'\]") as error:
         load_task(_csv_task(_write_csv(tmp_path / "a.csv", _movie_rows()), text_columns=("text",)), "train")
     assert "text_columns" in error.value.fix
     with pytest.raises(UserError, match=r"has 3 labelled rows") as error:
         load_task(_csv_task(_write_csv(tmp_path / "b.csv", _movie_rows(3))), "train")
     assert "at least 10" in error.value.fix
-    with pytest.raises(UserError, match=r"line 13, has no value for \['verdict'\]"):
+    with pytest.raises(UserError, match=r"c\.csv, row 12 has no label in column 'verdict'"):
         load_task(_csv_task(_write_csv(tmp_path / "c.csv", [*_movie_rows(11), "lonely"])), "train")
     jsonl = tmp_path / "d.jsonl"
-    jsonl.write_text('{"review": "ok", "verdict": "good"}\n{"review": "ok"}\n', encoding="utf-8")
-    with pytest.raises(UserError, match=r"line 2, has no value for \['verdict'\]"):
+    good_rows = '{"review": "ok", "verdict": "bad"}\n' * 10
+    jsonl.write_text('{"review": "ok", "verdict": "good"}\n{"review": "ok"}\n' + good_rows, encoding="utf-8")
+    with pytest.raises(UserError, match=r"d\.jsonl, row 2 has no label in column 'verdict'"):
         load_task(_csv_task(jsonl), "train")
     jsonl.write_text('{"review": "ok", "verdict": "good"}\nnot json\n', encoding="utf-8")
-    with pytest.raises(UserError, match=r"d\.jsonl:2 is not valid JSON"):
+    with pytest.raises(UserError, match=r"cannot read .*d\.jsonl as JSON"):
         load_task(_csv_task(jsonl), "train")
-    with pytest.raises(UserError, match="neither CSV"):
+    with pytest.raises(UserError, match=r"found no \.csv or \.tsv or \.json or \.jsonl or \.parquet files or folder"):
         load_task(_csv_task(_write_csv(tmp_path / "e.txt", _movie_rows())), "train")
     with pytest.raises(UserError, match="two distinct label names"):
         _csv_task(tmp_path / "a.csv", labels=("good", "good"))
@@ -249,6 +253,104 @@ def test_task_section_reads_user_files_and_small_options(tmp_path):
     ]:
         with pytest.raises(ValueError, match=message):
             TaskSection(**bad)
+
+
+# ---------------------------------------------------------------- user data through `datasets`
+
+
+def _movie_frame(count: int = 20, verdict=lambda i: "good" if i % 2 else "bad") -> pd.DataFrame:
+    return pd.DataFrame({"review": [f"film {i}, {verdict(i)}" for i in range(count)],
+                         "verdict": [verdict(i) for i in range(count)]})
+
+
+@pytest.mark.parametrize("kind", ["tsv", "jsonl", "json", "parquet", "parquet-indices", "saved", "folder"])
+def test_every_labelled_format_loads_the_same_examples(tmp_path, kind):
+    frame = _movie_frame()
+    frame.to_csv(tmp_path / "movies.csv", index=False)
+    expected = [load_task(_csv_task(tmp_path / "movies.csv"), split) for split in SPLITS]
+    path = tmp_path / "other" / "movies"
+    path.parent.mkdir()
+    if kind == "tsv":
+        frame.to_csv(path, sep="\t", index=False)
+    elif kind in ("jsonl", "json"):
+        frame.to_json(path, orient="records", lines=kind == "jsonl")
+    elif kind == "parquet":
+        frame.to_parquet(path)
+    elif kind == "parquet-indices":  # class indices instead of names
+        frame.assign(verdict=[("bad", "good").index(v) for v in frame.verdict]).to_parquet(path)
+    elif kind == "saved":
+        datasets.DatasetDict({"train": datasets.Dataset.from_pandas(frame)}).save_to_disk(str(path))
+    else:  # a folder of CSV files, read as one data set in name order
+        path.mkdir()
+        frame[:7].to_csv(path / "part-0.csv", index=False)
+        frame[7:].to_csv(path / "part-1.csv", index=False)
+    if kind not in ("saved", "folder"):
+        path = path.rename(path.with_suffix("." + kind.split("-")[0]))
+    assert [load_task(_csv_task(path), split) for split in SPLITS] == expected
+
+
+def _client_files(folder: Path, counts=(12, 15, 20)) -> list[str]:
+    """One CSV per client, each text naming its client and row; client 2 holds only 'good' rows."""
+    for client, count in enumerate(counts):
+        verdicts = ["good" if client == 2 or i % 2 else "bad" for i in range(count)]
+        pd.DataFrame({"review": [f"client {client} row {i}" for i in range(count)], "verdict": verdicts}).to_csv(
+            folder / f"client-{client}.csv", index=False)
+    return [f"client-{client}.csv" for client in range(len(counts))]
+
+
+def _per_file_task(folder: Path, names: list[str]):
+    return user_task("movies", ["bad", "good"],
+                     UserTaskFile(folder, ("review",), "verdict", tuple(folder / name for name in names)))
+
+
+def test_one_file_per_client_gives_client_k_exactly_file_k(tmp_path):
+    counts = (12, 15, 20)
+    task = _per_file_task(tmp_path, _client_files(tmp_path, counts))
+    train, test = (load_client_tasks(task, split) for split in SPLITS)
+    for client, count in enumerate(counts):
+        texts = [text for (text,) in train[client].texts + test[client].texts]
+        assert sorted(texts) == sorted(f"client {client} row {i}" for i in range(count))
+        assert len(test[client].labels) == count - round(0.8 * count)
+    assert set(train[2].labels + test[2].labels) == {1.0}  # one client may hold one class
+    federated = build_federated_task(task, 3, 1.0, byte_tokenizer(), 32, seed=0, clusters=2)
+    for client in range(3):
+        shift = client % 2
+        assert torch.equal(federated.train[client].labels, (torch.tensor(train[client].labels).long() + shift) % 2)
+        assert torch.equal(federated.test[client].labels, (torch.tensor(test[client].labels).long() + shift) % 2)
+    capped = load_client_tasks(task, "train", max_examples=5, seed=1)
+    assert [len(client.labels) for client in capped] == [5, 5, 5]
+    assert all(set(c.texts) <= set(t.texts) for c, t in zip(capped, train, strict=True))
+
+
+def test_one_file_per_client_refuses_what_does_not_fit(tmp_path):
+    task = _per_file_task(tmp_path, _client_files(tmp_path))
+    with pytest.raises(UserError, match=r"has 4 clients and 3 files, one per client"):
+        build_federated_task(task, 4, 1.0, byte_tokenizer(), 32, seed=0)
+    with pytest.raises(UserError, match="is read one file per client"):
+        load_task(task, "train")
+    with pytest.raises(UserError, match="is not read one file per client"):
+        load_client_tasks(_csv_task(tmp_path / "client-0.csv"), "train")
+    with pytest.raises(UserError, match=r"gone\.csv does not exist"):
+        load_client_tasks(_per_file_task(tmp_path, ["client-0.csv", "gone.csv"]), "train")
+
+
+def test_bad_labelled_data_is_one_message(tmp_path):
+    _movie_frame(verdict=lambda i: "good").to_csv(tmp_path / "all-good.csv", index=False)
+    (tmp_path / "empty.csv").write_text("")
+    (tmp_path / "broken.parquet").write_bytes(b"PAR1 not parquet PAR1")
+    for task, message in [
+        (_csv_task(tmp_path / "all-good.csv"), r"every row of .*all-good\.csv has the label 'good'"),
+        (_csv_task(tmp_path / "empty.csv"), r"empty\.csv is empty"),
+        (_csv_task(tmp_path / "broken.parquet"), r"cannot read .*broken\.parquet as Parquet"),
+        (_csv_task(tmp_path / "all-good.csv", label_column="grade"), r"has no column \['grade'\]; its columns are"),
+    ]:
+        with pytest.raises(UserError, match=message) as raised:
+            load_task(task, "train")
+        assert raised.value.fix
+    one_class_clients = _per_file_task(tmp_path, ["all-good.csv", "all-good.csv"])
+    with pytest.raises(UserError, match=r"every row of the 2 client files has the label 'good'") as raised:
+        load_client_tasks(one_class_clients, "train")
+    assert "['bad']" in raised.value.fix
 
 
 # ---------------------------------------------------------------- partitions

