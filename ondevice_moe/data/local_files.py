@@ -12,8 +12,8 @@ extension:
 * ``.parquet``: ``load_dataset("parquet")``;
 * ``.txt`` / ``.md``: ``load_dataset("text", sample_by="document")``, one row per file, column ``text``.
 
-Files are streamed (``streaming=True``): nothing is copied into the Hugging Face
-cache and nothing is downloaded. Every problem (a missing or empty file, an
+Files are streamed (``streaming=True``) where they lie: nothing is written to the
+Hugging Face cache and nothing is downloaded. Every problem (a missing or empty file, an
 unknown column, a corrupt file, a missing text) is one :class:`UserError` naming
 the file, and the row where there is one.
 """
@@ -21,11 +21,13 @@ the file, and the row where there is one.
 from __future__ import annotations
 
 import glob
+import tempfile
 from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import chain
 from pathlib import Path
+from typing import Any
 
 from ondevice_moe.errors import UserError
 
@@ -141,22 +143,9 @@ def _read(data: DataFiles, text_columns: Sequence[str], other_columns: Sequence[
 def _batches(data: DataFiles, split: str, text_cells: Sequence[str] = ()) -> Iterator[dict[str, list]]:
     """The rows, in batches of columns; any failure of ``datasets`` to read them is one UserError.
     ``text_cells``: CSV columns to read as the text they hold."""
-    import datasets
-    from datasets.data_files import DataFilesList
-
     try:
-        if data.format == SAVED:
-            dataset = _saved_split(datasets.load_from_disk(str(data.where)), data.where, split)
-        else:
-            builder, options = _BUILDERS[data.format]
-            if text_cells:
-                options = {**options, "features": datasets.Features({c: datasets.Value("string") for c in text_cells})}
-            # The files as found, taken literally: datasets would glob each name again (slow for thousands of
-            # files, and wrong for a name holding [ or *). Streaming caches nothing their metadata would key.
-            files = DataFilesList([str(file.resolve()) for file in data.files], [()] * len(data.files))
-            dataset = datasets.load_dataset(builder, data_files={"train": files}, split="train", streaming=True,
-                                            **options)
-        yield from dataset.iter(batch_size=_BATCH_ROWS)
+        with _opened(data, split, text_cells) as dataset:
+            yield from dataset.iter(batch_size=_BATCH_ROWS)
     except UserError:
         raise
     except Exception as error:  # pandas, pyarrow and datasets raise many types; all mean "cannot read it"
@@ -169,6 +158,27 @@ def _batches(data: DataFiles, split: str, text_cells: Sequence[str] = ()) -> Ite
         else:
             fix = f"check that each file is valid {kind}, with the same columns as the others"
         raise UserError(f"cannot read {data.name} as {kind} ({reason})", fix) from None
+
+
+@contextmanager
+def _opened(data: DataFiles, split: str, text_cells: Sequence[str]) -> Iterator[Any]:
+    """The data as a ``datasets`` ``Dataset`` (a saved folder, memory-mapped) or ``IterableDataset``
+    (files, streamed; its builder's lock file goes to a scratch folder, not the Hugging Face cache)."""
+    import datasets
+    from datasets.data_files import DataFilesList
+
+    if data.format == SAVED:
+        yield _saved_split(datasets.load_from_disk(str(data.where)), data.where, split)
+        return
+    builder, options = _BUILDERS[data.format]
+    if text_cells:
+        options = {**options, "features": datasets.Features({c: datasets.Value("string") for c in text_cells})}
+    # The files as found, taken literally: datasets would glob each name again (slow for thousands of
+    # files, and wrong for a name holding [ or *). Streaming caches nothing their metadata would key.
+    files = DataFilesList([str(file.resolve()) for file in data.files], [()] * len(data.files))
+    with tempfile.TemporaryDirectory(prefix="ondevice-moe-") as scratch:
+        yield datasets.load_dataset(builder, data_files={"train": files}, split="train", streaming=True,
+                                    cache_dir=scratch, **options)
 
 
 def _saved_split(dataset, folder: Path, split: str):
