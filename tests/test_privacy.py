@@ -1,14 +1,20 @@
 """Differential privacy (recipe ``privacy``) and Flower's SecAgg+ (``federation.secure_aggregation``)."""
 
+import itertools
 import json
+import math
 from pathlib import Path
 
 import pytest
 import torch
+from dp_accounting import dp_event
+from dp_accounting.rdp import RdpAccountant
 from safetensors.torch import load_file
+from scipy.stats import norm
 
 from ondevice_moe import runner
 from ondevice_moe.errors import UserError
+from ondevice_moe.federation.accountant import PrivacyLedger, epsilon
 from ondevice_moe.federation.privacy import clip_update, noise_generator, privatize, update_norm
 from ondevice_moe.recipe import PrivacySection, load_recipe
 
@@ -94,6 +100,60 @@ def test_privacy_keys_are_validated():
         load_recipe(TINY, ["privacy.clip_norm=0"])
 
 
+# -- the accountant -------------------------------------------------------------
+
+
+def test_epsilon_is_dp_accountings_for_the_composed_gaussian_mechanism():
+    """z = 1.1 over 50 rounds at δ = 1e-5: the library's RDP accountant called directly."""
+    library = RdpAccountant()
+    library.compose(dp_event.GaussianDpEvent(1.1), 50)
+    assert epsilon(1.1, 50, 1e-5) == library.get_epsilon(1e-5)
+
+
+@pytest.mark.parametrize(("noise_multiplier", "uploads", "delta"), [(1.1, 50, 1e-5), (0.5, 3, 1e-5), (4.0, 1, 1e-3)])
+def test_epsilon_lies_between_the_exact_gaussian_and_mironovs_conversion(noise_multiplier, uploads, delta):
+    """k Gaussian releases of multiplier z are one of multiplier z/√k, whose exact δ(ε) is Balle &
+    Wang's (2018, Thm. 8): the reported ε must keep δ(ε) ≤ δ. From above, Mironov's (2017, Prop. 3)
+    conversion min_α kα/(2z²) + log(1/δ)/(α − 1) of the same Rényi divergences bounds it."""
+    reported = epsilon(noise_multiplier, uploads, delta)
+    mu = math.sqrt(uploads) / noise_multiplier
+    exact_delta = norm.cdf(-reported / mu + mu / 2) - math.exp(reported) * norm.cdf(-reported / mu - mu / 2)
+    assert exact_delta <= delta
+    orders = [1 + x / 100 for x in range(1, 20_000)]
+    mironov = min(uploads * a / (2 * noise_multiplier**2) + math.log(1 / delta) / (a - 1) for a in orders)
+    assert reported <= mironov
+
+
+def test_epsilon_grows_with_rounds_and_falls_with_noise():
+    by_rounds = [epsilon(1.0, rounds, 1e-5) for rounds in (1, 2, 5, 20, 100)]
+    by_noise = [epsilon(z, 10, 1e-5) for z in (0.5, 1.0, 2.0, 8.0)]
+    assert all(a < b for a, b in itertools.pairwise(by_rounds))
+    assert all(a > b for a, b in itertools.pairwise(by_noise))
+    assert epsilon(1.0, 10, 1e-3) < epsilon(1.0, 10, 1e-6)  # a looser δ buys a smaller ε
+
+
+def test_no_upload_costs_nothing_and_clipping_alone_guarantees_nothing():
+    assert epsilon(1.0, 0, 1e-5) == 0.0
+    assert epsilon(0.0, 3, 1e-5) == math.inf
+
+
+def test_the_ledger_charges_each_device_for_its_own_rounds():
+    """Devices 0-3, two sampled a round: the device sampled most often sets ε."""
+    ledger = PrivacyLedger(noise_multiplier=1.0, delta=1e-5)
+    for sampled in ([0, 1], [1, 2], [1, 3]):
+        ledger.record_round(sampled)
+    assert ledger.uploads == {0: 1, 1: 3, 2: 1, 3: 1} and ledger.most_uploads == 3
+    assert ledger.epsilon() == epsilon(1.0, 3, 1e-5)
+    assert ledger.epsilon() < epsilon(1.0, 4, 1e-5)  # not charged for every round of the run
+
+
+def test_delta_is_validated():
+    assert load_recipe(TINY, ["privacy.clip_norm=1.0"]).privacy.delta == 1e-5
+    for bad in ("0", "1"):
+        with pytest.raises(UserError, match=r"privacy\.delta"):
+            load_recipe(TINY, ["privacy.clip_norm=1.0", f"privacy.delta={bad}"])
+
+
 # -- secure aggregation: recipe checks ----------------------------------------
 
 
@@ -169,6 +229,19 @@ def test_a_simulation_with_privacy_logs_its_parameters(runs):
     assert all(r["update_norm"] > 0 for r in trained)
     report = (run_dir / "report.md").read_text()
     assert "## Differential privacy" in report and "| comigs-1G1S | 1 | 0.05 | 0.5 | 0.025 |" in report
+
+
+def test_a_simulation_with_privacy_reports_its_epsilon(runs):
+    """Three devices, all sampled, one round at z = 0.5: each has uploaded once (device 2 is charged
+    although it crashed before uploading: the server cannot know it did not)."""
+    spent = epsilon(0.5, 1, 1e-5)
+    [privacy] = _records(runs["none"], "privacy")
+    assert (privacy["sampling_rate"], privacy["uploads"], privacy["delta"]) == (1.0, 1, 1e-5)
+    assert privacy["epsilon"] == pytest.approx(spent)
+    summary = json.loads((runs["none"] / "summary.json").read_text())["methods"]["comigs-1G1S"]
+    assert summary["privacy_spent"] == {"epsilon": pytest.approx(spent), "delta": 1e-5, "uploads": 1}
+    assert f"- **comigs-1G1S:** (ε, δ) = ({spent:.3g}, 1e-05)" in (runs["none"] / "report.md").read_text()
+    assert _records(runs["secaggplus"], "privacy")[0]["epsilon"] == privacy["epsilon"]
 
 
 def test_secaggplus_aggregate_equals_plain_aggregation_within_a_quantization_step(runs):

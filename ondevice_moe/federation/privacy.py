@@ -22,7 +22,8 @@ al., 2016), applied per device (local DP):
   noise of std z·C/√m per coordinate; Flower's *central* DP
   (``DifferentialPrivacyClientSideFixedClipping``) instead trusts the server to
   add std z·C/m once to the mean (``compute_stdv``). Noise is drawn from a
-  generator seeded by (recipe seed, device, round), so a rerun repeats it;
+  generator seeded by (recipe seed, device, round), so a rerun repeats it, and
+  so whoever holds the recipe (the server too) can regenerate it;
 * the device uploads θ_start + Δ, which ``federation.transport`` then encodes.
 
 Why not Flower's mods and wrappers as they are: they act on the reply's single
@@ -37,9 +38,9 @@ packed state with one std, which is not the mean of m clipped updates for the
 per-device or per-centre slots. So the mechanism is written once here, on
 named torch tensors, before encoding, for every method.
 
-What the guarantee covers: the values of the shared tensors. What a device
-reports besides (losses, example counts, Hermes usage counts, FLoRAL's π, the
-pre-clip norm below) travels in the clear, as it does without ``privacy``.
+The (ε, δ) this buys, and what it covers, are :mod:`ondevice_moe.federation.accountant`'s.
+What a device reports besides the shared tensors (losses, example counts, Hermes usage
+counts, FLoRAL's π, the pre-clip norm below) travels in the clear, as it does without ``privacy``.
 """
 
 from __future__ import annotations

@@ -43,6 +43,7 @@ from flwr.serverapp.strategy import Strategy
 from flwr.supercore import log as flwr_log
 
 from ondevice_moe.errors import UserError
+from ondevice_moe.federation.accountant import PrivacyLedger
 from ondevice_moe.federation.aggregation import Update, check_update, norm_outliers
 from ondevice_moe.federation.device import save_server_checkpoint
 from ondevice_moe.federation.evaluation import user_values
@@ -214,6 +215,7 @@ class SlotStrategy(Strategy):
         self._fresh: dict[int, dict[str, torch.Tensor]] = {}
         self._round: dict[str, Any] = {}
         self._refused: set[int] = set()
+        self._privacy = PrivacyLedger(job.recipe.privacy.noise_multiplier, job.recipe.privacy.delta)
 
     def summary(self) -> None:
         flwr_log(INFO, "\t├──> %s: %d of %d devices per round, min %d sound updates, timeout %gs",
@@ -265,6 +267,7 @@ class SlotStrategy(Strategy):
         self.slots = unpack_slots(arrays, self.rule.initial_slots())
         sampled = sample_devices(len(self.nodes), self.per_round, self.job.recipe.seed, server_round)
         self._round = {"started": time.perf_counter(), "sampled": sampled, "sent": {}}
+        self._privacy.record_round(sampled)
         messages = self._train_messages(sampled, server_round)
         if self.federation.secure_aggregation == "secaggplus":
             # SecAgg+'s four round trips run here, where Flower hands over the Grid; Flower then sends nothing.
@@ -371,17 +374,21 @@ class SlotStrategy(Strategy):
                         "user": self._user(device), "bytes_up": size, "bytes_down": self._round["sent"][device]})
 
     def _log_privacy(self, server_round: int) -> None:
-        """The round's ``privacy`` record: the recipe's bound and noise, and what the devices
-        reported (their updates' norms before clipping, how many were clipped)."""
+        """The round's ``privacy`` record: the recipe's bound and noise, what the devices
+        reported (their updates' norms before clipping, how many were clipped), and the (ε, δ)
+        spent so far by the device that took part most often (``epsilon`` null without noise)."""
         privacy = self.job.recipe.privacy
         if not privacy.enabled:
             return
         norms = self._round.get("norms", {})
+        spent = self._privacy.epsilon()
         self.log.write({"method": self.job.method.name, "round": server_round, "kind": "privacy",
                         "clip_norm": privacy.clip_norm, "noise_multiplier": privacy.noise_multiplier,
                         "noise_std": noise_std(privacy), "devices": len(norms),
                         "clipped": sum(norm > privacy.clip_norm for norm in norms.values()),
-                        "update_norms": norms})
+                        "update_norms": norms, "sampling_rate": self.per_round / len(self.nodes),
+                        "uploads": self._privacy.most_uploads, "epsilon": spent if math.isfinite(spent) else None,
+                        "delta": privacy.delta})
 
     def _common_reference(self, sampled: list[int]) -> dict[str, torch.Tensor]:
         """The names, shapes and dtypes every sampled device uploads: SecAgg+ sums one vector layout."""
