@@ -13,7 +13,7 @@ domain). A best rate at an edge of the grid is flagged: widen the grid there.
 
 Test (``--test-seeds``): for every seed, each method at its own best rate, scored on the test split:
 one run per distinct best rate, holding the methods that chose it (``--set methods=[...]``), into
-``FOLDER/test-lr<R>-s<SEED>``; then ``eval/seed_table.py``'s table over the seeds (a seed's folders
+``FOLDER/test-lr<R>-s<SEED>``; then ``ondevice-moe compare``'s table over the seeds (a seed's folders
 joined with ``+``) and, with ``--against METHOD``, the paired test against METHOD. For the sweep's
 own seed the models are already trained: its validation run at the best rate is re-scored on the
 test split from its checkpoints (``ondevice-moe eval RUN --split test``; the summary's
@@ -34,10 +34,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import seed_table
-
+from ondevice_moe.compare import comparison
+from ondevice_moe.errors import UserError
 from ondevice_moe.recipe import Recipe, load_recipe
 
 SELECT = {"in": "mean_in", "out": "mean_out"}
@@ -200,7 +198,10 @@ def main(argv: list[str]) -> None:
         joined.append(Path("+".join(str(f) for f in folders)))
     print(f"\nTest perplexity, each method at its best validation rate, seeds {args.test_seeds}:")
     print("runs: " + " ".join(str(j) for j in joined) + "\n")
-    seed_table.main([*map(str, joined), *(["--against", args.against] if args.against else [])])
+    try:
+        print(comparison(joined, args.against))
+    except UserError as error:
+        raise SystemExit(f"error: {error.problem}; fix: {error.fix}") from None
 
 
 if __name__ == "__main__":

@@ -86,16 +86,16 @@ def test_a_run_scored_on_valid_is_rescored_on_test_from_the_same_models(pretrain
     assert runner.evaluate_run(valid.run_dir, methods=[])["methods"] == {}
 
 
-def test_seed_table_will_not_mix_splits(pretrained_runs, capsys):
-    import seed_table
+def test_compare_will_not_mix_splits(pretrained_runs):
+    from ondevice_moe.compare import comparison
+    from ondevice_moe.errors import UserError
 
-    valid, test = (str(pretrained_runs[s].run_dir) for s in ("valid", "test"))
-    seed_table.main([valid])
-    assert "VALIDATION split" in capsys.readouterr().out
-    with pytest.raises(SystemExit, match="validation split and some on the test split"):
-        seed_table.main([valid, test])
-    with pytest.raises(SystemExit, match="different splits"):
-        seed_table.main([f"{valid}+{test}"])
+    valid, test = (pretrained_runs[s].run_dir for s in ("valid", "test"))
+    assert "VALIDATION split" in comparison([valid])
+    with pytest.raises(UserError, match="validation split and some on the test split"):
+        comparison([valid, test])
+    with pytest.raises(UserError, match="different splits"):
+        comparison([Path(f"{valid}+{test}")])
 
 
 # -- equal trainable parameters ------------------------------------------------------

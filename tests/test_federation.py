@@ -109,11 +109,11 @@ def _eval_script(name: str):
     return module
 
 
-def test_seed_table_over_runs(tiny_run, capsys):
-    seed_table = _eval_script("seed_table")
+def test_compare_over_runs(tiny_run):
+    from ondevice_moe.compare import comparison
+
     _, result, _ = tiny_run
-    seed_table.main([str(result.run_dir), str(result.run_dir)])
-    table = capsys.readouterr().out
+    table = comparison([result.run_dir, result.run_dir])
     mean = result.summary["methods"]["comigs-1G1S"]["mean_in"]
     assert f"| comigs-1G1S | {mean:.2f} (0.00) |" in table
 

@@ -1,17 +1,18 @@
-"""eval/seed_table.py: the table over seeds and the paired comparison."""
+"""ondevice_moe.compare (`ondevice-moe compare`): the table over seeds and the paired comparison."""
 
-import importlib.util
+import json
 import math
 import random
+import statistics
 from pathlib import Path
 
 import pytest
 from scipy import stats
+from typer.testing import CliRunner
 
-PATH = Path(__file__).parent.parent / "eval" / "seed_table.py"
-SPEC = importlib.util.spec_from_file_location("seed_table", PATH)
-seed_table = importlib.util.module_from_spec(SPEC)
-SPEC.loader.exec_module(seed_table)
+from ondevice_moe import compare
+from ondevice_moe.cli import app
+from ondevice_moe.errors import UserError
 
 USERS = ["a", "b", "c", "d"]
 
@@ -34,7 +35,7 @@ def _summary(seed: int) -> dict:
 
 def test_paired_test_matches_scipy():
     differences = [1.0, 2.0, 1.5, 2.5, 0.5, 1.2]
-    mean, error, t_p, wilcoxon_p = seed_table.paired_test(differences)
+    mean, error, t_p, wilcoxon_p = compare.paired_test(differences)
     assert mean == pytest.approx(1.45)
     assert error == pytest.approx(stats.tstd(differences) / math.sqrt(6))
     assert t_p == pytest.approx(stats.ttest_rel(differences, [0.0] * 6).pvalue)
@@ -43,10 +44,10 @@ def test_paired_test_matches_scipy():
 
 def test_paired_table_tells_a_consistent_gap_from_noise():
     summaries = [_summary(seed) for seed in range(3)]
-    table = seed_table.paired_table(summaries, "base")
+    table = compare.paired_table(summaries, "base")
     better = next(line for line in table.splitlines() if line.startswith("| better |"))
     same = next(line for line in table.splitlines() if line.startswith("| same |"))
-    gaps = seed_table.paired_differences(summaries, "better", "base", "in")
+    gaps = compare.paired_differences(summaries, "better", "base", "in")
     expected = [100 * math.log(s["methods"]["better"]["per_user"][u]["in"] / s["methods"]["base"]["per_user"][u]["in"])
                 for s in summaries for u in USERS]
     assert gaps == pytest.approx(expected) and all(-4 < g < -1.5 for g in gaps)  # 1 in 30-45: -2 to -3 %
@@ -55,27 +56,25 @@ def test_paired_table_tells_a_consistent_gap_from_noise():
 
 
 def test_paired_table_names_a_missing_reference():
-    with pytest.raises(SystemExit, match="not in every run"):
-        seed_table.paired_table([_summary(0)], "fedavg")
+    with pytest.raises(UserError, match="not in every run"):
+        compare.paired_table([_summary(0)], "fedavg")
 
 
 def test_folders_of_one_seed_joined_with_plus_stand_side_by_side(tmp_path):
-    import json
-
     full = _summary(0)
     first, second = tmp_path / "base", tmp_path / "more"
     for folder, names in ((first, ["base", "better"]), (second, ["same"])):
         folder.mkdir()
         part = {**full, "methods": {name: full["methods"][name] for name in names}}
         (folder / "summary.json").write_text(json.dumps(part))
-    [joined] = seed_table.load_summaries([Path(f"{first}+{second}")])
+    [joined] = compare.load_summaries([Path(f"{first}+{second}")])
     assert list(joined["methods"]) == ["base", "better", "same"]
     assert joined["methods"]["same"] == full["methods"]["same"]
     other = tmp_path / "other"
     other.mkdir()
     (other / "summary.json").write_text(json.dumps({**full, "users": ["x"]}))
-    with pytest.raises(SystemExit, match="different users"):
-        seed_table.load_summaries([Path(f"{first}+{other}")])
+    with pytest.raises(UserError, match="different users"):
+        compare.load_summaries([Path(f"{first}+{other}")])
 
 
 def test_centres_are_matched_to_sources_before_they_are_averaged_over_runs():
@@ -84,17 +83,66 @@ def test_centres_are_matched_to_sources_before_they_are_averaged_over_runs():
             {"c0s0": 70.0, "c0s1": 30.0, "c1s0": 12.0, "c1s1": 60.0}]
     summaries = [{"users": USERS, "metric": "mse", "methods": {"fedsoft": {
         "centres": {f"centre_{k[1]}_source_{k[3]}": v for k, v in run.items()}}}} for run in runs]
-    assert seed_table.matched_centres(summaries[1]["methods"]["fedsoft"]["centres"], True) == [[12.0, 70.0],
+    assert compare.matched_centres(summaries[1]["methods"]["fedsoft"]["centres"], True) == [[12.0, 70.0],
                                                                                               [60.0, 30.0]]
-    table = seed_table.centre_table(summaries).splitlines()
+    table = compare.centre_table(summaries).splitlines()
     assert table[2] == "| fedsoft | θ_0 | 11.00 (1.41) | 75.00 (7.07) | 2 of 2 |"
     assert table[3] == "| fedsoft | θ_1 | 25.00 (7.07) | 75.00 (21.21) | 2 of 2 |"
 
 
 def test_personalisation_table_averages_flow_columns_over_runs():
-    columns = seed_table.PERSONALISATION_COLUMNS.values()
+    columns = compare.PERSONALISATION_COLUMNS.values()
     runs = [{"users": ["a"], "methods": {"flow": {key: base + offset for offset, key in enumerate(columns)},
                                          "fedavg": {"mean_score": 50.0}}} for base in (10.0, 20.0)]
-    lines = seed_table.personalisation_table(runs).splitlines()
+    lines = compare.personalisation_table(runs).splitlines()
     assert len(lines) == 3  # header, rule, flow (fedavg has no global/personalised pair)
     assert lines[2] == "| flow | " + " | ".join(f"{15.0 + i:.2f} (7.07)" for i in range(len(columns))) + " |"
+
+
+def _write_run(folder: Path, summary: dict) -> Path:
+    folder.mkdir()
+    (folder / "summary.json").write_text(json.dumps(summary))
+    return folder
+
+
+def test_the_command_prints_the_mean_over_runs_and_the_paired_test_as_computed_by_hand(tmp_path):
+    per_run = [  # run → method → user → test perplexity in distribution
+        {"base": {"a": 20.0, "b": 40.0}, "better": {"a": 19.0, "b": 37.0}},
+        {"base": {"a": 22.0, "b": 41.0}, "better": {"a": 20.5, "b": 39.0}},
+        {"base": {"a": 21.0, "b": 39.0}, "better": {"a": 20.0, "b": 36.5}},
+    ]
+    folders = []
+    for index, methods in enumerate(per_run):
+        entries = {name: {"per_user": {u: {"in": v} for u, v in values.items()},
+                          "mean_in": statistics.fmean(values.values()),
+                          "std_in": statistics.pstdev(values.values()), "upload_bytes_per_round": 2048.0 * index}
+                   for name, values in methods.items()}
+        folders.append(str(_write_run(tmp_path / f"s{index}", {"users": ["a", "b"], "methods": entries})))
+    result = CliRunner().invoke(app, ["compare", *folders, "--against", "base"])
+    assert result.exit_code == 0, result.output
+    means = [statistics.fmean(run["better"].values()) for run in per_run]  # 28.0, 29.75, 28.25
+    assert f"| better | {statistics.fmean(means):.2f} ({statistics.stdev(means):.2f}) |" in result.output
+    assert "| 2.0 KiB |" in result.output.split("| better |")[1].splitlines()[0]  # upload: mean of 0, 2, 4 KiB
+    gaps = [100 * math.log(run["better"][u] / run["base"][u]) for run in per_run for u in ("a", "b")]
+    row = next(line for line in result.output.splitlines() if line.startswith("| better | in |"))
+    t_p = stats.ttest_rel([math.log(run["better"][u]) for run in per_run for u in ("a", "b")],
+                          [math.log(run["base"][u]) for run in per_run for u in ("a", "b")]).pvalue
+    error = statistics.stdev(gaps) / math.sqrt(len(gaps))
+    assert row.startswith(f"| better | in | {statistics.fmean(gaps):+.2f} ({error:.2f}) | 6 | {t_p:.3g} |")
+
+
+@pytest.mark.parametrize(("content", "problem"), [
+    ("{not json", "cannot read"),
+    ("[1, 2]", "not a JSON object"),
+    ('{"users": ["a"], "methods": {"m": {"per_user": {"a": {"in": "12"}}}}}', "neither a number nor null"),
+    ('{"users": ["a"], "methods": {"m": {"centres": {"../x": 1.0}}}}', "names a centre"),
+    (None, "does not exist"),
+])
+def test_a_damaged_or_missing_summary_is_one_clear_error(tmp_path, content, problem):
+    folder = tmp_path / "run"
+    folder.mkdir()
+    if content is not None:
+        (folder / "summary.json").write_text(content)
+    result = CliRunner().invoke(app, ["compare", str(folder)])
+    assert result.exit_code == 2 and problem in " ".join(result.output.split())
+    assert "fix:" in result.output and "Traceback" not in result.output

@@ -1,0 +1,312 @@
+"""Runs compared (``ondevice-moe compare``): a per-method table over several runs (seeds), as in
+CoMiGS Table 2 and Hermes Table 1, and a paired comparison of every method against one of them.
+
+Each run is a run folder with a ``summary.json``, or several folders of one seed joined by ``+``
+(``runs/base-s0+runs/ablations-s0``: their methods side by side). For every method found in all
+runs the table holds, over runs, the mean (std) of the users' mean value — test perplexity in and
+out of distribution for language modelling, the task score for classification — its mean std over
+users, and the upload per round.
+
+For FedSoft and IFCA (methods whose summary has ``centres``) the centre-by-source table follows:
+in each run every source is matched to a centre by the assignment with the best total score
+(centre indices are arbitrary, Table 1's "center indices are assigned randomly"), then per source
+the matched centre's score, the other centres' mean, and in how many runs the matched centre is
+the best on that source.
+
+For methods with a global and a personalised model (Flow, FedAvgFT): Acc_g, Acc_p, the % of clients
+with Acc_p > Acc_g and the per-instance breakdown over runs.
+
+For language modelling the table also holds the standard error of each user's mean test NLL over
+the test blocks (mean over users and runs): a 1 % perplexity gap is a NLL gap of 0.01, so one run
+resolves it only when this is well under 0.01.
+
+The paired comparison against a reference method: for every (run, user) pair the method's value
+against the reference's — for perplexities the relative gap ``100·ln(ppl / ppl_reference)`` in
+percent (users' perplexities differ by a factor of three, so raw differences would weigh the
+hardest user most), for task scores the difference in points — their mean and standard error, and
+the two-sided p-values of a paired t-test and of a Wilcoxon signed-rank test over the pairs. A gap
+counts as larger than its noise when both p < 0.05. Pairing removes what the methods share (the
+users' test blocks, the run's data); what remains is training noise across seeds and users. A pair
+where either value diverged (no finite figure) is left out; the table counts the pairs it used.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import statistics
+from pathlib import Path
+from typing import Any
+
+from scipy import stats
+
+from ondevice_moe.errors import UserError
+from ondevice_moe.metrics import lower_is_better
+from ondevice_moe.report import CENTRE_KEY, DIVERGED, format_bytes
+
+SIGNIFICANCE = 0.05
+SUMMARY_FIX = "pass run folders of finished `ondevice-moe finetune` runs (run the same command again to rewrite " \
+              "a damaged summary.json)"
+
+
+def comparison(runs: list[Path], against: str | None = None) -> str:
+    """Every table for ``runs`` (see the module docstring), as Markdown; ``against``: the paired
+    comparison's reference method."""
+    summaries = load_summaries(runs)
+    parts = [seed_table(summaries)]
+    if summaries[0].get("eval_split") == "valid":
+        parts.insert(0, "VALIDATION split (data.eval_split: valid): these are not test figures")
+    if any("centres" in m for m in summaries[0]["methods"].values()):
+        parts.append(centre_table(summaries))
+    if any("benefiting_pct" in m for m in summaries[0]["methods"].values()):
+        parts.append(personalisation_table(summaries))
+    if against is not None:
+        parts.append(paired_table(summaries, against))
+    return "\n\n".join(parts)
+
+
+def load_summaries(runs: list[Path]) -> list[dict[str, Any]]:
+    """One summary per run; ``A+B`` joins the methods of run folders of one seed (the same users)."""
+    if not runs:
+        raise UserError("no run to compare", "pass one run folder or more")
+    summaries = []
+    for run in runs:
+        parts = [_read_summary(Path(part)) for part in str(run).split("+")]
+        joined = {**parts[0], "methods": {}}
+        for part in parts:
+            if part.get("eval_split", "test") != parts[0].get("eval_split", "test"):
+                raise UserError(f"the run folders in {run} were scored on different splits",
+                                "join only folders of one split")
+            if part["users"] != parts[0]["users"]:
+                raise UserError(f"the run folders in {run} have different users",
+                                "join only folders of one recipe and seed")
+            joined["methods"].update({m: v for m, v in part["methods"].items() if m not in joined["methods"]})
+        summaries.append(joined)
+    if len({summary.get("eval_split", "test") for summary in summaries}) > 1:
+        raise UserError("some runs were scored on the validation split and some on the test split "
+                        "(summary.json's eval_split)", "compare runs of one split")
+    if not _common_methods(summaries):
+        raise UserError("no method is in every run", "compare runs that share a method")
+    return summaries
+
+
+def _read_summary(run: Path) -> dict[str, Any]:
+    """A run folder's ``summary.json``, checked to hold what the tables read; anything else is a UserError."""
+    path = run / "summary.json"
+    if not path.is_file():
+        raise UserError(f"{path} does not exist", SUMMARY_FIX)
+    try:
+        summary = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as error:  # ValueError: not UTF-8, or not JSON
+        raise UserError(f"cannot read {path} ({error})", SUMMARY_FIX) from None
+    problem = _shape_problem(summary)
+    if problem:
+        raise UserError(f"{path} is not a run summary: {problem}", SUMMARY_FIX)
+    return summary
+
+
+def _shape_problem(summary: object) -> str | None:
+    """What in ``summary`` does not have the shape the tables read, or ``None``."""
+    if not isinstance(summary, dict):
+        return "not a JSON object"
+    users, methods = summary.get("users"), summary.get("methods")
+    if not (isinstance(users, list) and all(isinstance(user, str) for user in users)):
+        return "'users' is not a list of names"
+    if not (isinstance(methods, dict) and all(isinstance(entry, dict) for entry in methods.values())):
+        return "'methods' is not an object of methods"
+    for name, entry in methods.items():
+        per_user, centres = entry.get("per_user", {}), entry.get("centres") or {}
+        if not (isinstance(per_user, dict) and all(isinstance(values, dict) for values in per_user.values())):
+            return f"method '{name}' has per_user values that are not objects"
+        if not (isinstance(centres, dict) and all(isinstance(key, str) and CENTRE_KEY.fullmatch(key)
+                                                  for key in centres)):
+            return f"method '{name}' names a centre other than centre_<i>_source_<j>"
+        figures = [*(value for key, value in entry.items() if key.startswith(("mean_", "std_"))),
+                   entry.get("benefiting_pct"), *centres.values(),
+                   *(value for values in per_user.values() for value in values.values())]
+        if not all(value is None or _is_number(value) for value in figures):  # None: diverged
+            return f"method '{name}' holds a value that is neither a number nor null"
+        if not _is_number(entry.get("upload_bytes_per_round", 0.0)):
+            return f"method '{name}' has an upload that is not a number"
+    return None
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _spread(values: list[float | None]) -> str:
+    """Mean (std) over runs; ``diverged`` when a run has no finite figure."""
+    if any(value is None for value in values):
+        return DIVERGED
+    deviation = statistics.stdev(values) if len(values) > 1 else 0.0
+    return f"{_number(statistics.fmean(values))} ({_number(deviation)})"
+
+
+def _number(value: float, sign: str = "") -> str:
+    """Two decimals, or three significant digits for values that two decimals would show as zero
+    (the near-zero test losses of FLoRAL's synthetic tasks)."""
+    return f"{value:{sign}.2e}" if value != 0 and abs(value) < 0.005 else f"{value:{sign}.2f}"
+
+
+def _common_methods(summaries: list[dict[str, Any]]) -> list[str]:
+    return [m for m in summaries[0]["methods"] if all(m in s["methods"] for s in summaries)]
+
+
+def _value_keys(summaries: list[dict[str, Any]]) -> list[str]:
+    """The values every method of every run has: ``in`` (and ``out``, off a single device) or ``score``."""
+    entries = [s["methods"][m] for s in summaries for m in _common_methods(summaries)]
+    return [key for key in ("in", "out", "score") if all(f"mean_{key}" in entry for entry in entries)]
+
+
+def seed_table(summaries: list[dict[str, Any]]) -> str:
+    """Per method: the users' mean value, mean (std) over runs, its std over users, the NLL's standard
+    error per user (language modelling), and the upload per round."""
+    keys = _value_keys(summaries)
+    runs = len(summaries)
+    language = "score" not in keys
+    header = ["method", *(f"{k}: mean (std) over {runs} run(s)" for k in keys),
+              *(f"{k}: std over users" for k in keys),
+              *(f"{k}: NLL s.e. per user" for k in keys if language), "upload / round"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for method in _common_methods(summaries):
+        entries = [s["methods"][method] for s in summaries]
+        cells = [_spread([e[f"mean_{k}"] for e in entries]) for k in keys]
+        cells += [_mean_or_diverged([e[f"std_{k}"] for e in entries]) for k in keys]
+        if language:
+            cells += [_mean_standard_error(entries, k) for k in keys]
+        cells.append(format_bytes(statistics.fmean(e.get("upload_bytes_per_round", 0.0) for e in entries)))
+        lines.append(f"| {method} | {' | '.join(cells)} |")
+    return "\n".join(lines)
+
+
+def _mean_or_diverged(values: list[float | None]) -> str:
+    return DIVERGED if any(value is None for value in values) else _number(statistics.fmean(values))
+
+
+def matched_centres(centres: dict[str, float], lower_is_better: bool) -> list[list[float]]:
+    """One run's centre-by-source scores as rows per source, the centres reordered so that
+    column ``j`` is the centre matched to source ``j`` (the assignment with the best sum of
+    matched scores); unmatched centres follow."""
+    scores: dict[tuple[int, int], float] = {}
+    for key, value in centres.items():
+        centre, source = (int(part) for part in CENTRE_KEY.fullmatch(key).groups())
+        scores[centre, source] = value
+    centre_ids = sorted({centre for centre, _ in scores})
+    count_sources = 1 + max(source for _, source in scores)
+    if len(scores) != len(centre_ids) * count_sources or len(centre_ids) < count_sources or None in scores.values():
+        raise UserError(f"the centre-by-source scores {sorted(centres)} are incomplete or diverged",
+                        "compare runs whose summary.json scores every centre on every source")
+    sign = 1.0 if lower_is_better else -1.0
+    match = min(itertools.permutations(centre_ids, count_sources),
+                key=lambda order: sign * sum(scores[centre, source] for source, centre in enumerate(order)))
+    order = [*match, *(centre for centre in centre_ids if centre not in match)]
+    return [[scores[centre, source] for centre in order] for source in range(count_sources)]
+
+
+def centre_table(summaries: list[dict[str, Any]]) -> str:
+    """Per clustered method and source: the matched centre's score and the other centres'
+    mean, mean (std) over runs, and the runs in which the matched centre is the best."""
+    lower = lower_is_better(summaries[0].get("metric", "perplexity"))
+    header = ["method", "source", "matched centre", "other centres", "matched centre best"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for method in _common_methods(summaries):
+        if not all(s["methods"][method].get("centres") for s in summaries):
+            continue
+        tables = [matched_centres(s["methods"][method]["centres"], lower) for s in summaries]
+        if len({len(table) for table in tables}) > 1:
+            raise UserError(f"the runs of '{method}' have different numbers of sources", "compare runs of one recipe")
+        for source in range(len(tables[0])):
+            own = [table[source][source] for table in tables]
+            others = [statistics.fmean(v for c, v in enumerate(table[source]) if c != source) for table in tables]
+            best = sum((min if lower else max)(table[source]) == table[source][source] for table in tables)
+            lines.append(f"| {method} | θ_{source} | {_spread(own)} | {_spread(others)} | {best} of {len(tables)} |")
+    return "\n".join(lines)
+
+
+PERSONALISATION_COLUMNS = {"Acc_g": "mean_score_global", "Acc_p": "mean_score",
+                           "% clients Acc_p > Acc_g": "benefiting_pct", "global only": "mean_global_only",
+                           "personalised only": "mean_personal_only", "both": "mean_both_correct",
+                           "neither": "mean_neither_correct"}
+PERPLEXITY_PERSONALISATION_COLUMNS = {"ppl_g in": "mean_in_global", "ppl_p in": "mean_in",
+                                      "% users ppl_p < ppl_g": "benefiting_pct", "ppl_g out": "mean_out_global",
+                                      "ppl_p out": "mean_out"}
+
+
+def personalisation_table(summaries: list[dict[str, Any]]) -> str:
+    """Flow Tables 2–3 over runs: per method with a global and a personalised model, the
+    clients' mean Acc_g and Acc_p (eq. 6–7), the % of clients with Acc_p > Acc_g and the
+    per-instance breakdown, each mean (std) over runs; on a language model, the perplexities
+    of both models in and out of distribution and the % of users whose own perplexity falls."""
+    columns = PERPLEXITY_PERSONALISATION_COLUMNS if summaries[0].get("metric") == "perplexity" \
+        else PERSONALISATION_COLUMNS
+    header = ["method", *columns]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for method in _common_methods(summaries):
+        entries = [s["methods"][method] for s in summaries]
+        if all("benefiting_pct" in e for e in entries):
+            cells = [_spread([e.get(key) for e in entries]) for key in columns.values()]
+            lines.append(f"| {method} | {' | '.join(cells)} |")
+    return "\n".join(lines)
+
+
+def _mean_standard_error(entries: list[dict[str, Any]], key: str) -> str:
+    errors = [user[f"nll_se_{key}"] for e in entries for user in e["per_user"].values()
+              if user.get(f"nll_se_{key}") is not None]
+    return f"{statistics.fmean(errors):.3f}" if errors else "–"
+
+
+def paired_differences(summaries: list[dict[str, Any]], method: str, reference: str, key: str) -> list[float]:
+    """``method`` against ``reference`` for every (run, user) pair with both values, on the per-user value
+    ``key``: ``100·ln(ours / theirs)`` (percent) for perplexities, ``ours − theirs`` for task scores."""
+    perplexity = key in ("in", "out")
+    differences = []
+    for summary in summaries:
+        ours, theirs = summary["methods"][method]["per_user"], summary["methods"][reference]["per_user"]
+        for user in summary["users"]:
+            mine, other = ours.get(user, {}).get(key), theirs.get(user, {}).get(key)
+            if mine is None or other is None or (perplexity and min(mine, other) <= 0):
+                continue  # not evaluated, or diverged
+            differences.append(100.0 * math.log(mine / other) if perplexity else mine - other)
+    return differences
+
+
+def paired_test(differences: list[float]) -> tuple[float, float, float, float]:
+    """Mean difference, its standard error, and the p-values of the paired t-test and
+    the Wilcoxon signed-rank test (``nan`` where the pairs cannot decide: fewer than
+    two, or all equal; the mean is ``nan`` without pairs)."""
+    if not differences:
+        return math.nan, math.nan, math.nan, math.nan
+    mean = statistics.fmean(differences)
+    if len(differences) < 2 or all(d == differences[0] for d in differences):
+        return mean, 0.0, math.nan, math.nan
+    standard_error = statistics.stdev(differences) / math.sqrt(len(differences))
+    t_p = float(stats.ttest_1samp(differences, 0.0).pvalue)
+    wilcoxon_p = float(stats.wilcoxon(differences).pvalue) if any(differences) else math.nan
+    return mean, standard_error, t_p, wilcoxon_p
+
+
+def paired_table(summaries: list[dict[str, Any]], reference: str) -> str:
+    """Every other method against ``reference``, per value: the paired gap, its pairs and both tests."""
+    if reference not in _common_methods(summaries):
+        raise UserError(f"method '{reference}' is not in every run",
+                        f"use one of {', '.join(_common_methods(summaries))}")
+    unit = " points" if "score" in _value_keys(summaries) else "%"
+    header = ["method", "value", f"mean Δ{unit} vs {reference} (s.e.)", "pairs", "paired t p", "Wilcoxon p",
+              "gap larger than noise"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for method in _common_methods(summaries):
+        if method == reference:
+            continue
+        for key in _value_keys(summaries):
+            differences = paired_differences(summaries, method, reference, key)
+            mean, error, t_p, wilcoxon_p = paired_test(differences)
+            larger = t_p < SIGNIFICANCE and wilcoxon_p < SIGNIFICANCE
+            lines.append(f"| {method} | {key} | {_number(mean, '+')} ({_number(error)}) | {len(differences)} | "
+                         f"{t_p:.3g} | {wilcoxon_p:.3g} | {'yes' if larger else 'no'} |")
+    return "\n".join(lines)
+
+
+__all__ = ["comparison", "load_summaries", "matched_centres", "paired_differences", "paired_table", "paired_test",
+           "seed_table"]
