@@ -10,11 +10,10 @@ that do not choose (uniform, one expert) are said to have nothing to show.
 
 from __future__ import annotations
 
-import os
 from html import escape
 from pathlib import Path
 
-from ondevice_moe.errors import UserError
+from ondevice_moe.destination import check_file_destination
 from ondevice_moe.inspect.capture import (
     capture_instance_policy,
     capture_token_routing,
@@ -45,21 +44,10 @@ from ondevice_moe.routing.instance_policy import instance_policy
 from ondevice_moe.run_model import UserModel, open_user_model
 
 
-def check_target(out: Path) -> None:
-    """``out`` must be a writable file path (its PNGs go beside it)."""
-    folder = out.parent
-    if out.is_dir():
-        raise UserError(f"--to {out} is a folder", f"name the page, e.g. --to {out / 'routing.html'}")
-    if not folder.is_dir():
-        raise UserError(f"folder {folder} does not exist", "create it first, or choose another --to")
-    if not os.access(folder, os.W_OK) or (out.exists() and not os.access(out, os.W_OK)):
-        raise UserError(f"cannot write {out}", "choose a --to in a folder you can write")
-
-
 def write_inspection(run_dir: Path, method: str, user: str, text: str | None, out: Path,
                      text_source: str = "your text") -> list[Path]:
     """Write the page ``out`` and its PNGs (``<out stem>_*.png`` beside it); returns every file written."""
-    check_target(out)
+    check_file_destination(out, "--to", "routing.html")
     opened = open_user_model(Path(run_dir), method, user)
     layout = opened.job.method.layouts[opened.device]
     names = layout.expert_names if layout is not None else []
