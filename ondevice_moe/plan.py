@@ -1,6 +1,6 @@
 """What a recipe will do, without training: per method, its devices and, per
 device, the parameters the local procedure trains and those it sends to the
-server each round (``ondevice-moe finetune --dry-run``).
+server each round; per user, the data it holds (``ondevice-moe finetune --dry-run``).
 
 A trainable parameter is one with ``requires_grad`` that the method's local
 procedure updates (:meth:`Method.is_trainable`); an uploaded one is a
@@ -10,10 +10,12 @@ only the experts a round selected (Hermes) send at most that many.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from ondevice_moe.federation.device import build_model
+from ondevice_moe.data.splits import SPLITS
+from ondevice_moe.federation.device import build_model, federated_task, user_data
 from ondevice_moe.federation.job import Job
 from ondevice_moe.methods import Role
 from ondevice_moe.recipe import Recipe
@@ -66,4 +68,52 @@ def device_plan(job: Job, device: int) -> DevicePlan:
     return DevicePlan(device, trainable, uploaded, uploaded_bytes)
 
 
-__all__ = ["DevicePlan", "MethodPlan", "device_plan", "plan_recipe"]
+@dataclass(frozen=True)
+class TextCounts:
+    """A language-modelling user's data as a run reads it: blocks of ``data.context_length`` tokens per split."""
+
+    user: str
+    blocks: dict[str, int]
+    tokens: dict[str, int]
+
+
+@dataclass(frozen=True)
+class ExampleCounts:
+    """A task client's data as a run deals it: examples per split and, for classification, how many
+    training examples carry each label (``None`` for regression scores)."""
+
+    user: str
+    examples: dict[str, int]
+    labels: dict[str, int] | None
+
+
+UserCounts = TextCounts | ExampleCounts
+
+
+def data_counts(job: Job) -> list[UserCounts]:
+    """Read every user's data as the run will (the same loaders, so the same errors: a missing file,
+    a wrong ``text_field``) and count what each holds."""
+    recipe = job.recipe
+    if recipe.task is None:
+        counts: list[UserCounts] = []
+        for index, user in enumerate(recipe.user_names):
+            data = user_data(job, index)
+            blocks = {split: int(data.split(split).shape[0]) for split in SPLITS}
+            tokens = {split: int(data.split(split).numel()) for split in SPLITS}
+            counts.append(TextCounts(user, blocks, tokens))
+        return counts
+    task = federated_task(job)
+    spec = task.task
+    return [ExampleCounts(user, {"train": len(train), "test": len(test)},
+                          None if spec.is_regression else _label_counts(train.labels.tolist(), spec.label_names))
+            for user, train, test in zip(recipe.user_names, task.train, task.test, strict=True)]
+
+
+def _label_counts(labels: list[float], names: tuple[str, ...]) -> dict[str, int]:
+    """Examples per class name, in the task's class order."""
+    counts = Counter(int(label) for label in labels)
+    return {names[index]: counts[index] for index in sorted(counts)}
+
+
+__all__ = ["DevicePlan", "ExampleCounts", "MethodPlan", "TextCounts", "UserCounts", "data_counts", "device_plan",
+           "plan_recipe"]

@@ -23,22 +23,27 @@ from ondevice_moe.errors import UserError, failure_line
 from ondevice_moe.federation.job import JOB_ENV, Job
 from ondevice_moe.federation.node import folder_node
 from ondevice_moe.overrides import apply_override
+from ondevice_moe.plan import UserCounts, data_counts
 from ondevice_moe.recipe import Recipe, validate_recipe
 from ondevice_moe.report import CorruptLog, MetricsLog, summarize
-from ondevice_moe.run_folder import RunResult, eval_split, finish_report, prepare_run_dir
+from ondevice_moe.run_folder import (
+    RunResult,
+    eval_split,
+    finish_report,
+    kept_methods,
+    prepare_run_dir,
+    run_dir_of,
+)
 
 
-def check_inputs(recipe: Recipe) -> None:
-    """Load the model and every user's data once, so bad input fails before Flower starts."""
+def check_inputs(recipe: Recipe) -> list[UserCounts]:
+    """Load the model and every user's data once, so bad input fails before Flower starts and before
+    the run folder is written; what each user holds (``finetune --dry-run`` prints it)."""
     from ondevice_moe.federation import device
 
     job = Job(recipe, 0, Path("."))
     device.job_base_model(job)
-    if recipe.task is not None:
-        device.federated_task(job)
-        return
-    for user in range(recipe.data.devices):
-        device.user_data(job, user)
+    return data_counts(job)
 
 
 def run_recipe(
@@ -47,17 +52,26 @@ def run_recipe(
     on_method: Callable[[str, int, int], None] | None = None,
     on_round: Callable[[int, int, str], None] | None = None,
     federation: str | None = None,
+    overwrite: bool = False,
 ) -> RunResult:
     """Run every method of ``recipe`` into the run folder (``output``, default ``runs/<name>``) and
     write the report: in Flower's simulation on this machine, or, with ``federation`` (a SuperLink
     named in Flower's connection config), on real devices (:mod:`ondevice_moe.federation.submit`),
-    where the data lives on the devices and is not checked here."""
+    where the data lives on the devices and is not checked here.
+
+    The folder is written only once the inputs check out: input that fails its checks leaves no
+    folder behind. ``overwrite`` replaces the run already in the folder (another recipe's, or this
+    one's to start over); without it a run of this recipe resumes and one of another is refused."""
     if federation is not None:
         from ondevice_moe.federation.job import with_deployment_defaults
 
         recipe = with_deployment_defaults(recipe)
-    run_dir = prepare_run_dir(recipe, output)
+    run_dir = run_dir_of(recipe, output)
+    kept = kept_methods(recipe, run_dir, overwrite)
+    if federation is None and any(recipe.method_name(i) not in kept for i in range(len(recipe.methods))):
+        check_inputs(recipe)  # a finished run's rerun writes its report without loading anything
     with run_lock(run_dir):
+        prepare_run_dir(recipe, run_dir, overwrite)
         return _run_methods(recipe, run_dir, on_method, on_round, federation)
 
 
@@ -67,18 +81,25 @@ LOCK = ".lock"
 @contextmanager
 def run_lock(run_dir: Path) -> Iterator[None]:
     """Hold the run folder for this process (``.lock`` with its pid) while it runs: a second
-    ``finetune`` into the same folder is refused while the first lives; a lock its dead owner left is taken over."""
+    ``finetune`` into the same folder is refused while the first lives; a lock its dead owner left is taken over.
+    A new folder is created."""
     lock = run_dir / LOCK
     for _ in range(2):
         try:
+            run_dir.mkdir(parents=True, exist_ok=True)
             handle = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except FileExistsError:
+            if not run_dir.is_dir():
+                raise UserError(f"the run folder {run_dir} is a file", "choose another --output folder") from None
             owner = _lock_owner(lock)
             if owner is not None and _alive(owner):
                 raise UserError(f"another ondevice-moe run (pid {owner}) is writing to {run_dir}",
                                 "wait for it to finish, or choose another --output folder") from None
             lock.unlink(missing_ok=True)  # its owner is gone: take the folder over
             continue
+        except OSError as error:
+            raise UserError(f"cannot use the run folder {run_dir} ({error.strerror or error})",
+                            "choose another --output folder") from None
         with os.fdopen(handle, "w") as file:
             file.write(str(os.getpid()))
         break
@@ -111,8 +132,6 @@ def _run_methods(recipe: Recipe, run_dir: Path, on_method: Callable[[str, int, i
     finished = log.finished()
     pending = [Job(recipe, index, run_dir) for index in range(len(recipe.methods))
                if recipe.method_name(index) not in finished]  # finished in an earlier, interrupted invocation
-    if pending and federation is None:  # a finished run's rerun writes its report without loading anything
-        check_inputs(recipe)
     for job in pending:
         log.discard(job.method.name)  # a method cut short runs again from round 1
 
