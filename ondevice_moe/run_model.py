@@ -51,7 +51,15 @@ def open_user_model(run_dir: Path, method: str, user: str, device: str | None = 
         raise UserError(f"{run_dir} is device {job.node.partition_id}'s folder: it holds user '{own}''s model only",
                         f"use --user {own}, or run this on user '{user}''s device")
     device_index = next(d for d in range(len(job.method.layouts)) if user_index in dev.users_of_device(job, d))
-    model = dev.build_model(job, device_index)
+    return UserModel(recipe, job, device_index, user, trained_model(job, device_index))
+
+
+def trained_model(job: Job, device: int) -> nn.Module:
+    """Device ``device``'s model of ``job``'s finished method: its experts attached, its checkpoint loaded
+    (a method that trains nothing has none), in eval mode."""
+    from ondevice_moe.federation import device as dev
+
+    model = dev.build_model(job, device)
     if job.method.trains:
-        dev.load_checkpoint(job, device_index, model)
-    return UserModel(recipe, job, device_index, user, model.eval())
+        dev.load_checkpoint(job, device, model)
+    return model.eval()

@@ -1,0 +1,180 @@
+"""A finished run's trained users scored on a file of the user's (``ondevice-moe eval RUN --data FILE``).
+
+A language-modelling run reads text: a ``.txt`` / ``.md`` file (one document), a folder of them, or a
+``.jsonl`` file (one document per line, from the field ``text_column``). The documents are tokenized
+as training tokenized its data (each followed by the end-of-text token) and cut into blocks of the
+run's ``data.context_length``; each method's model of each user gets the perplexity of those blocks
+and the standard error of their mean NLL.
+
+A classification run reads labelled examples: a ``.csv`` / ``.tsv`` / ``.jsonl`` file with text
+column(s) and a label column (the class names of the run's task, or class indices), checked as a
+recipe's own task file is, tokenized to the run's ``task.max_length``; each user's model gets the
+task's metric (×100 for fractions, as in the run's report). Under ``task.clusters`` client ``k`` is
+scored against the labels its cluster learned, ``(y + k mod C) mod L``.
+
+Every user is scored with its device's own checkpoint, the model ``export`` and ``generate`` open:
+a method whose test is more than that model (Flow's adapted test, FedEM's mixture of the centres)
+is scored here on the model alone. The scores go to ``eval.json``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ondevice_moe.data.classification import ClientExamples
+from ondevice_moe.data.sources import documents
+from ondevice_moe.data.splits import to_blocks
+from ondevice_moe.data.tasks import UserTaskFile, load_task, user_task
+from ondevice_moe.destination import check_file_destination
+from ondevice_moe.errors import UserError
+from ondevice_moe.federation import device as dev
+from ondevice_moe.federation.evaluation import reported
+from ondevice_moe.federation.job import Job
+from ondevice_moe.likelihood import block_nll, nll_standard_error, perplexity_of
+from ondevice_moe.metrics import lower_is_better, task_score
+from ondevice_moe.models.gguf_cache import file_sha256
+from ondevice_moe.recipe import Recipe
+from ondevice_moe.run_model import trained_model
+from ondevice_moe.runner import finished_jobs
+from ondevice_moe.training import predict
+
+EVAL_FILE = "eval.json"
+TEXT_SUFFIXES = (".txt", ".md")
+
+
+@dataclass(frozen=True)
+class FileScores:
+    """What ``eval --data`` measured: per method, per user, the metric (and, for perplexity, the NLL's
+    standard error); ``size`` says how much of the file was scored (blocks and tokens, or examples)."""
+
+    metric: str
+    size: dict[str, int]
+    scores: dict[str, dict[str, dict[str, float | None]]]
+    written: Path
+
+
+def score_file(run_dir: Path, data: Path, out: Path | None = None, device: str | None = None,
+               text_columns: list[str] | None = None, label_column: str | None = None) -> FileScores:
+    """Score every finished method's model of every user of ``run_dir`` on ``data`` and write
+    ``eval.json`` (into the run folder, or ``out``). ``text_columns`` / ``label_column`` name the
+    file's columns (JSONL fields); by default ``text`` and ``label``, or the run's own task file's.
+    Bad input is a :class:`UserError` before any model loads."""
+    run_dir, data = Path(run_dir), Path(data)
+    out = Path(out) if out is not None else run_dir / EVAL_FILE
+    check_file_destination(out, "--out", EVAL_FILE)
+    recipe, jobs = finished_jobs(run_dir, device)
+    _check_data_path(data)
+    job = jobs[0]
+    if recipe.is_language_modelling:
+        column = (text_columns or ["text"])[0]
+        if text_columns is not None and len(text_columns) != 1:
+            raise UserError("a language-modelling run reads one text column", "pass --text-column once")
+        examples = _text_blocks(job, data, column)
+        metric, size = "perplexity", {"blocks": int(examples.shape[0]), "tokens": int(examples.numel())}
+    else:
+        examples = _labelled_examples(job, data, text_columns, label_column)
+        metric, size = recipe.task.spec().metric, {"examples": len(examples)}
+    scores = {one.method.name: _method_scores(one, recipe, examples) for one in jobs}
+    record = {"run": str(run_dir), "data": str(data), "sha256": file_sha256(data) if data.is_file() else None,
+              "metric": metric, "lower_is_better": lower_is_better(metric), **size, "users": recipe.user_names,
+              "methods": scores}
+    try:
+        out.write_text(json.dumps(record, indent=2), encoding="utf-8")
+    except OSError as error:
+        raise UserError(f"cannot write {out} ({error.strerror or error})", "choose another --out") from None
+    return FileScores(metric, size, scores, out)
+
+
+def _check_data_path(data: Path) -> None:
+    if not data.exists():
+        raise UserError(f"--data {data} does not exist", "pass a file (or, for text, a folder) of your own")
+    if not (data.is_file() or data.is_dir()):  # a FIFO or device would block the read
+        raise UserError(f"--data {data} is not a regular file or folder", "pass your data file")
+
+
+def _text_blocks(job: Job, data: Path, column: str) -> torch.Tensor:
+    """The file's (or folder's) documents as blocks of the run's context length."""
+    if data.is_dir():
+        texts = list(documents("text-folder", {"path": str(data)}))
+    elif data.suffix.lower() == ".jsonl":
+        texts = list(documents("jsonl", {"path": str(data), "text_field": column}))
+    elif data.suffix.lower() in TEXT_SUFFIXES:
+        texts = [_read_text(data)]
+    else:
+        raise UserError(f"--data {data} is neither text ({', '.join(TEXT_SUFFIXES)}) nor JSONL",
+                        "pass a .txt, .md or .jsonl file, or a folder of text files")
+    tokenizer = dev.job_base_model(job).tokenizer
+    stream = [token for text in texts if text.strip()
+              for token in (*tokenizer(text, add_special_tokens=False)["input_ids"], tokenizer.eos_token_id)]
+    context_length = job.recipe.data.context_length
+    blocks = to_blocks(stream, context_length)
+    if blocks.shape[0] == 0:
+        raise UserError(f"--data {data} holds {len(stream)} tokens, fewer than one block of the run's "
+                        f"data.context_length={context_length}", "give a longer text")
+    return blocks
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise UserError(f"cannot read {path} ({error})", "make it a readable UTF-8 text file") from None
+
+
+def _labelled_examples(job: Job, data: Path, text_columns: list[str] | None, label_column: str | None
+                       ) -> ClientExamples:
+    """Every row of the file, checked against the run's classes and tokenized as the run's task."""
+    section = job.recipe.task
+    spec = section.spec()
+    if spec.is_regression or not spec.is_text:
+        raise UserError(f"eval --data scores text classification; this run's task '{spec.name}' is "
+                        f"{'a regression' if spec.is_regression else 'not a text task'}",
+                        f"score the run on its own data: ondevice-moe eval {job.run_dir}")
+    if data.is_dir():
+        raise UserError(f"--data {data} is a folder", "pass one .csv, .tsv or .jsonl file of labelled examples")
+    file = UserTaskFile(data, tuple(text_columns or section.text_columns), label_column or section.label_column)
+    task = user_task(spec.name, spec.label_names, file, spec.metric)
+    rows = [load_task(task, split) for split in ("train", "test")]  # the two halves of a fixed split: every row
+    texts = [text for part in rows for text in part.texts]
+    labels = [label for part in rows for label in part.labels]
+    encoded = dev.job_base_model(job).tokenizer(*zip(*texts, strict=True), truncation=True,
+                                                max_length=section.max_length, padding="max_length",
+                                                return_tensors="pt")
+    return ClientExamples(encoded["input_ids"], encoded["attention_mask"], torch.tensor(labels, dtype=torch.long))
+
+
+def _method_scores(job: Job, recipe: Recipe, examples: Any) -> dict[str, dict[str, float | None]]:
+    """Per user, the score of its device's model of ``job``'s method on ``examples``."""
+    devices = [job.node.partition_id] if job.on_device else range(len(job.method.layouts))
+    scores = {}
+    for device in devices:
+        model = trained_model(job, device)
+        if recipe.is_language_modelling:  # the centralized upper bound: one model for every user
+            score = _perplexity(model, examples, recipe.data.eval_batch_size)
+            scores.update({recipe.user_names[user]: score for user in dev.users_of_device(job, device)})
+        else:
+            scores[recipe.user_names[device]] = _task_score(model, examples, recipe, device)
+    return scores
+
+
+def _perplexity(model: nn.Module, blocks: torch.Tensor, batch_size: int) -> dict[str, float | None]:
+    nll = block_nll(model, blocks, batch_size)
+    return {"perplexity": perplexity_of(nll, blocks.shape[1]), "nll_se": nll_standard_error(nll, blocks.shape[1])}
+
+
+def _task_score(model: nn.Module, examples: ClientExamples, recipe: Recipe, client: int) -> dict[str, float | None]:
+    """The task metric of client ``client``'s model; under ``task.clusters`` against its cluster's shifted labels."""
+    spec = recipe.task.spec()
+    shift = client % recipe.task.clusters if recipe.task.clusters else 0
+    labels = (examples.labels + shift) % spec.num_labels
+    predictions = predict(model, examples, recipe.task.eval_batch_size, regression=False)
+    return {spec.metric: reported(spec.metric, task_score(spec.metric, predictions.numpy(), labels.numpy()))}
+
+
+__all__ = ["EVAL_FILE", "FileScores", "score_file"]
