@@ -64,7 +64,7 @@ def score_file(run_dir: Path, data: Path, out: Path | None = None, device: str |
     """Score every finished method's model of every user of ``run_dir`` on ``data`` and write
     ``eval.json`` (into the run folder, or ``out``). ``text_columns`` / ``label_column`` name the
     file's columns (JSONL fields); by default ``text`` and ``label``, or the run's own task file's.
-    Bad input is a :class:`UserError` before any model loads."""
+    Bad input is a :class:`UserError`, raised before anything is written."""
     run_dir, data = Path(run_dir), Path(data)
     out = Path(out) if out is not None else run_dir / EVAL_FILE
     check_file_destination(out, "--out", EVAL_FILE)
@@ -72,10 +72,9 @@ def score_file(run_dir: Path, data: Path, out: Path | None = None, device: str |
     _check_data_path(data)
     job = jobs[0]
     if recipe.is_language_modelling:
-        column = (text_columns or ["text"])[0]
         if text_columns is not None and len(text_columns) != 1:
             raise UserError("a language-modelling run reads one text column", "pass --text-column once")
-        examples = _text_blocks(job, data, column)
+        examples = _text_blocks(job, data, (text_columns or ["text"])[0])
         metric, size = "perplexity", {"blocks": int(examples.shape[0]), "tokens": int(examples.numel())}
     else:
         examples = _labelled_examples(job, data, text_columns, label_column)
