@@ -260,3 +260,20 @@ def test_secaggplus_aggregate_equals_plain_aggregation_within_a_quantization_ste
     assert drop["device"] == 2 and "SecAgg+" in drop["reason"]
     assert _records(runs["secaggplus"], "privacy")[0]["update_norms"] == \
         _records(runs["none"], "privacy")[0]["update_norms"]
+
+
+def test_a_real_devices_noise_is_seeded_by_its_own_secret_and_a_simulations_by_the_recipe():
+    from types import SimpleNamespace
+
+    from flwr.app import RecordDict
+
+    from ondevice_moe.federation.client_app import noise_seed
+
+    recipe = SimpleNamespace(seed=7)
+    simulated = SimpleNamespace(on_device=False, recipe=recipe)
+    on_device = SimpleNamespace(on_device=True, recipe=recipe)
+    device, other = SimpleNamespace(state=RecordDict()), SimpleNamespace(state=RecordDict())
+    assert noise_seed(simulated, device) == 7 and len(device.state) == 0, "a rerun of a simulation repeats its noise"
+    secret = noise_seed(on_device, device)
+    assert secret != 7 and noise_seed(on_device, device) == secret, "drawn once, kept in the device's state"
+    assert noise_seed(on_device, other) != secret, "each device its own"

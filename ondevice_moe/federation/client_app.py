@@ -20,12 +20,13 @@ both as the outer mod (:mod:`ondevice_moe.federation.secure_aggregation`).
 from __future__ import annotations
 
 import os
+import secrets
 import time
 import zlib
 from logging import ERROR
 
 import torch
-from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.supercore import log as flwr_log
 
@@ -66,6 +67,21 @@ def _received(job: Job, msg: Message) -> ArrayRecord | None:
     if arrays is None or kind == "fp32":
         return arrays
     return ArrayRecord(decode(arrays.to_torch_state_dict(), kind))
+
+
+NOISE_SECRET = "noise-secret"
+
+
+def noise_seed(job: Job, context: Context) -> int:
+    """The seed of this device's privacy noise. In the simulation, the recipe's: a rerun repeats it. On a
+    real device, a secret it draws once and keeps in its own state (on its disk with the rest, so a
+    restarted device repeats its noise): the server holds the recipe, and with the recipe's seed it
+    could regenerate the noise and take it off the update."""
+    if not job.on_device:
+        return job.recipe.seed
+    if NOISE_SECRET not in context.state:
+        context.state[NOISE_SECRET] = ConfigRecord({"seed": secrets.randbits(62)})
+    return int(context.state[NOISE_SECRET]["seed"])
 
 
 @app.query()
@@ -121,7 +137,8 @@ def train(msg: Message, context: Context) -> Message:
     metrics.update({**chosen, **resumed, "device": device, "num-examples": examples})
     tensors, records = dev.upload(job, trainer)
     if privacy.enabled:
-        tensors, figures = privatize(start, tensors, privacy, noise_generator(job.recipe.seed, device, server_round))
+        tensors, figures = privatize(start, tensors, privacy, noise_generator(noise_seed(job, context), device,
+                                                                              server_round))
         metrics.update(figures)
     wire = ArrayRecord(encode(tensors, job.recipe.federation.transport))
     content = RecordDict({"arrays": wire})
