@@ -19,7 +19,7 @@ ServerApp does both itself, so the folder is the same either way.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
@@ -31,6 +31,7 @@ from ondevice_moe.federation.strategy import SlotStrategy, connect, pack_slots
 from ondevice_moe.federation.window import IN_FLIGHT_BYTES, WindowedGrid, simulation_window
 from ondevice_moe.report import MetricsLog
 from ondevice_moe.run_folder import finish_report, start_method
+from ondevice_moe.tracking import tracked_log
 
 app = ServerApp()
 
@@ -52,9 +53,9 @@ def main(grid: Grid, context: Context) -> None:
         if method_hook is not None:
             method_hook(job)
         try:
-            with failure_logged(job):
+            with failure_logged(job), tracked_run_log(job) as log:
                 nodes = nodes or connect(grid, devices, job.recipe.federation.reply_timeout_s)
-                run_federation(windowed(grid, job, False), job, run_log(job), nodes)
+                run_federation(windowed(grid, job, False), job, log, nodes)
         except Exception:  # logged; the runner reports it once the other methods have run
             continue
         finally:
@@ -65,14 +66,21 @@ def run_submitted(grid: Grid, job: Job) -> None:
     """The one method of a ``flwr run``: the ServerApp prepares the run folder and writes the report."""
     start_method(job.recipe, job.run_dir, job.method.name)
     try:
-        with failure_logged(job):
-            run_federation(windowed(grid, job, True), job, run_log(job))
+        with failure_logged(job), tracked_run_log(job) as log:
+            run_federation(windowed(grid, job, True), job, log)
     finally:  # with what it has if the method failed
         finish_report(job.recipe, job.run_dir)
 
 
 def run_log(job: Job) -> MetricsLog:
     return MetricsLog(job.run_dir / "metrics.jsonl")
+
+
+def tracked_run_log(job: Job) -> AbstractContextManager[MetricsLog]:
+    """The run's log for ``job``'s server, feeding the trackers of the recipe's ``logging:`` section
+    (an MLflow run per method, in the recipe's experiment, with the recipe's settings; docs/tracking.md)."""
+    recipe = job.recipe
+    return tracked_log(run_log(job).path, recipe.logging, recipe.name, job.method.name, recipe.model_dump(mode="json"))
 
 
 @contextmanager

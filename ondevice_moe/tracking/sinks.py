@@ -1,0 +1,119 @@
+"""Experiment trackers that take a method's scalars as the server logs them.
+
+Each sink holds one method of one run folder and starts clean: the files or the run of an
+earlier attempt at that method (a run cut short, which resumes from round 1 and has its records
+in ``metrics.jsonl`` discarded) are removed first, so no step is logged twice.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+from ondevice_moe.tracking.scalars import Scalar
+
+MLFLOW_BATCH = 1000  # MLflow's most metrics per log_batch call
+MLFLOW_PARAMS_BATCH = 100  # ... and most parameters
+METHOD_TAG = "ondevice_moe.method"
+FOLDER_TAG = "ondevice_moe.run_folder"
+MLFLOW_RUNS = "mlflow_runs.json"  # in the run folder: method → its MLflow run id
+
+
+class Sink(Protocol):
+    """A tracker of one method's curves."""
+
+    def add(self, points: list[Scalar]) -> None: ...
+
+    def close(self, failed: bool) -> None: ...
+
+
+class TensorBoardSink:
+    """TensorBoard event files in ``folder`` (``tensorboard --logdir`` on its parent shows each method as a run).
+    Values are stored as TensorBoard stores them, in float32."""
+
+    def __init__(self, folder: Path) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        shutil.rmtree(folder, ignore_errors=True)
+        self.writer = SummaryWriter(log_dir=str(folder))
+
+    def add(self, points: list[Scalar]) -> None:
+        for point in points:
+            self.writer.add_scalar(point.tag, point.value, point.step)
+        self.writer.flush()  # a TensorBoard watching the run sees each round as it ends
+
+    def close(self, failed: bool) -> None:
+        self.writer.close()
+
+
+class MlflowSink:
+    """One MLflow run named ``run`` in ``experiment`` at ``uri``, tagged with its run folder and method,
+    with the ``settings``' scalars as parameters (:func:`flat_settings`) and the run folder's
+    ``recipe.yaml`` as an artifact. ``artifacts``: where a new experiment keeps its artifacts (a local
+    store's own folder; ``None``: the tracking server's choice). The run folder's ``mlflow_runs.json``
+    names each method's run, so that a new attempt deletes the earlier one's, wherever the folder moved."""
+
+    def __init__(self, uri: str, experiment: str, run: str, run_folder: Path, settings: Mapping[str, Any],
+                 artifacts: str | None) -> None:
+        from mlflow import MlflowClient
+        from mlflow.entities import Param
+
+        self.client = MlflowClient(tracking_uri=uri)
+        found = self.client.get_experiment_by_name(experiment)
+        if found is None:
+            experiment_id = self.client.create_experiment(experiment, artifact_location=artifacts)
+        else:
+            experiment_id = found.experiment_id
+            if found.lifecycle_stage == "deleted":
+                self.client.restore_experiment(experiment_id)
+        ledger = run_folder / MLFLOW_RUNS
+        runs = json.loads(ledger.read_text(encoding="utf-8")) if ledger.is_file() else {}
+        if run in runs:
+            self._delete(runs[run])
+        self.run_id = self.client.create_run(experiment_id, run_name=run, tags={
+            METHOD_TAG: run, FOLDER_TAG: str(run_folder.resolve())}).info.run_id
+        ledger.write_text(json.dumps({**runs, run: self.run_id}, indent=2), encoding="utf-8")
+        params = [Param(key, value) for key, value in flat_settings(settings).items()]
+        for start in range(0, len(params), MLFLOW_PARAMS_BATCH):
+            self.client.log_batch(self.run_id, params=params[start : start + MLFLOW_PARAMS_BATCH])
+        recipe = run_folder / "recipe.yaml"
+        if recipe.is_file():
+            self.client.log_artifact(self.run_id, str(recipe))
+
+    def _delete(self, run_id: str) -> None:
+        """Delete an earlier attempt's run, unless the store no longer has it."""
+        from mlflow.exceptions import MlflowException
+        from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST, ErrorCode
+
+        try:
+            self.client.delete_run(run_id)
+        except MlflowException as error:
+            if error.error_code != ErrorCode.Name(RESOURCE_DOES_NOT_EXIST):
+                raise
+
+    def add(self, points: list[Scalar]) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        metrics = [Metric(point.tag, point.value, now, point.step) for point in points]
+        for start in range(0, len(metrics), MLFLOW_BATCH):
+            self.client.log_batch(self.run_id, metrics=metrics[start : start + MLFLOW_BATCH])
+
+    def close(self, failed: bool) -> None:
+        self.client.set_terminated(self.run_id, "FAILED" if failed else "FINISHED")
+
+
+def flat_settings(settings: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
+    """The scalar settings of a nested mapping (a resolved recipe) as ``section.key: value``; a list of
+    scalars (AdamW's betas) as its text; lists of mappings (users, methods) are left to ``recipe.yaml``."""
+    flat: dict[str, str] = {}
+    for key, value in settings.items():
+        if isinstance(value, Mapping):
+            flat.update(flat_settings(value, f"{prefix}{key}."))
+        elif not isinstance(value, list) or not any(isinstance(item, Mapping | list) for item in value):
+            flat[f"{prefix}{key}"] = str(value)
+    return flat
