@@ -1,4 +1,5 @@
-"""What report.md and its plots tell a reader: the run's facts, values on every bar, layer bands."""
+"""What report.md and its plots tell a reader: the run's facts, values on every bar, a line per expert,
+loss curves."""
 
 from pathlib import Path
 
@@ -30,33 +31,60 @@ def test_report_states_seed_rounds_devices_versions_and_drops(tmp_path, dropped,
     assert expected in text
 
 
-def test_layer_bands_cover_every_layer_once_in_order():
-    bands = report.layer_bands(list(range(30)))
-    assert len(bands) == 6 and [layer for band in bands for layer in band] == list(range(30))
-    assert report.layer_bands([0, 1, 2]) == [[0], [1], [2]]
-    assert [len(band) for band in report.layer_bands(list(range(8)))] == [2, 2, 1, 1, 1, 1]
-
-
 def _records() -> list[dict]:
     return [{"method": "m", "kind": "train", "user": "a", "round": r, "iteration": 6.0 * r,
-             **{f"layer_{layer}/expert_shared_0_score": 0.5 + 0.01 * layer for layer in range(12)}}
+             **{f"layer_{layer}/expert_shared_0_score": 0.5 + 0.01 * layer for layer in range(12)},
+             **{f"layer_{layer}/expert_private_0_score": 0.5 - 0.01 * layer for layer in range(12)}}
             for r in (1, 2, 3)]
 
 
-def test_expert_scores_plot_has_a_legend_entry_per_band_and_integer_rounds(tmp_path, monkeypatch):
-    figures = []
+def _drawn(monkeypatch) -> list:
+    figures: list = []
     monkeypatch.setattr(report, "save_figure", lambda figure, path: figures.append(figure) or path)
+    return figures
+
+
+def test_expert_scores_plot_draws_a_line_per_expert_in_a_band_over_the_layers(tmp_path, monkeypatch):
+    figures = _drawn(monkeypatch)
     report.plot_expert_scores(_records(), "m", tmp_path / "scores.png")
     axis = figures[0].axes[0]
-    assert [text.get_text() for text in axis.get_legend().get_texts()] == ["0–1", "2–3", "4–5", "6–7", "8–9", "10–11"]
+    assert [text.get_text() for text in axis.get_legend().get_texts()] == ["shared_0", "private_0"]
+    shared, private = axis.get_lines()  # two lines, not one per layer
+    assert list(shared.get_ydata()) == pytest.approx([0.5 + 0.01 * 5.5] * 3)  # the mean over 12 layers
+    assert list(private.get_ydata()) == pytest.approx([0.5 - 0.01 * 5.5] * 3)
+    band = axis.collections[0].get_paths()[0].vertices[:, 1]
+    assert (band.min(), band.max()) == pytest.approx((0.5, 0.61))  # lowest to highest layer
     assert axis.get_xlabel() == "round"
     assert all(float(tick).is_integer() for tick in axis.get_xticks())
     plt.close("all")
 
 
+def test_loss_curves_average_each_step_over_devices_and_show_phases_and_tests(tmp_path, monkeypatch):
+    records = [{"method": "steps", "kind": "train", "user": user, "round": r, "iteration": 3.0 * r,
+                "train_loss": 0.0, "step_losses": [10.0 * r + s + shift for s in (1, 2, 3)]}
+               for r in (1, 2) for user, shift in (("a", 0.0), ("b", 1.0))]
+    records += [{"method": "phases", "kind": "train", "user": user, "round": r, "iteration": 4.0 * r,
+                 "train_loss": r + shift, "train_loss_local": 5.0 * r + shift}
+                for r in (1, 2) for user, shift in (("a", 0.0), ("b", 2.0))]
+    records += [{"method": method, "kind": "eval", "user": user, "round": r, "score": 50.0 + r}
+                for method, rounds in (("pretrained", [0]), ("steps", [1, 2]), ("phases", [1, 2]))
+                for r in rounds for user in ("a", "b")]
+    figures = _drawn(monkeypatch)
+    report.plot_loss_curves(records, ["pretrained", "steps", "phases"], tmp_path / "loss.png")
+    steps_axis, phase_axis, test_axis = figures[0].axes
+    by_label = {line.get_label(): line for line in steps_axis.get_lines()}
+    assert list(by_label["steps"].get_xdata()) == [1, 2, 3, 4, 5, 6]
+    assert list(by_label["steps"].get_ydata()) == [11.5, 12.5, 13.5, 21.5, 22.5, 23.5]  # mean of a and b
+    assert list(by_label["phases"].get_xdata()) == [4, 8]  # no step losses: its round means, at the round's end
+    assert list(by_label["phases"].get_ydata()) == [2.0, 3.0]
+    local, = phase_axis.get_lines()
+    assert local.get_label() == "phases: local phase" and list(local.get_ydata()) == [6.0, 11.0]
+    assert {line.get_label() for line in test_axis.get_lines()} == {"pretrained", "steps", "phases"}
+    plt.close("all")
+
+
 def test_every_communication_bar_carries_its_value(tmp_path, monkeypatch):
-    figures = []
-    monkeypatch.setattr(report, "save_figure", lambda figure, path: figures.append(figure) or path)
+    figures = _drawn(monkeypatch)
     records = [{"method": m, "kind": "comm", "bytes_up": size} for m, size in (("ft", 2**30), ("lora", 3 * 2**20))]
     report.plot_communication(records, ["ft", "lora"], tmp_path / "comm.png")
     labels = [text.get_text() for text in figures[0].axes[0].texts]
