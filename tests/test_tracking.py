@@ -180,6 +180,9 @@ def test_a_record_gives_its_numbers_as_scalars_and_its_steps_on_the_devices_coun
         Scalar("step/train_loss/a_b", 4, 2.0), Scalar("step/train_loss/a_b", 5, 1.0),
         Scalar("step/train_loss/a_b", 6, 1.5)]
     assert [point.tag for point in scalars(record, every_step=False)] == ["train/iteration/a_b", "train/train_loss/a_b"]
+    for malformed in ({"iteration": 1e300}, {"iteration": 2.0}, {"iteration": float("nan")}):  # a lying device's
+        assert [point.tag for point in scalars(record | malformed, every_step=True)] == [
+            "train/iteration/a_b", "train/train_loss/a_b"]  # no steps it cannot say
     assert scalars({"method": "m", "kind": "comm", "round": 3, "bytes_up": 10}, True) == [
         Scalar("comm/bytes_up", 3, 10.0)]
     assert scalars({"method": "m", "kind": "done", "rounds": 3}, True) == []
