@@ -25,18 +25,18 @@ import torch
 
 from ondevice_moe.errors import UserError
 from ondevice_moe.federation import device as dev
-from ondevice_moe.federation.evaluation import union_test_nll
+from ondevice_moe.federation.evaluation import union_test_losses
 from ondevice_moe.federation.job import Job
 from ondevice_moe.runner import finished_jobs
 
 
 def per_token_nll(job: Job, device: int) -> tuple[torch.Tensor, list[int]]:
-    """Mean per-token NLL of every union test block under device ``device``'s checkpoint, and the offsets."""
+    """Mean NLL per scored token of every union test block under device ``device``'s checkpoint, and the offsets."""
     model = dev.build_model(job, device)
     if job.method.trains:
         dev.load_checkpoint(job, device, model)
-    nll, offsets, context_length = union_test_nll(job, model)
-    return nll / (context_length - 1), offsets
+    losses, offsets = union_test_losses(job, model)
+    return losses.per_token, offsets
 
 
 def block_gaps(run_dir: Path, method: str, reference: str) -> dict[str, dict[str, torch.Tensor]]:

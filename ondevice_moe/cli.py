@@ -3,22 +3,26 @@
 from __future__ import annotations
 
 import shutil
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Literal, NoReturn
 
 import typer
 from rich.console import Console
 from rich.markup import escape
+from rich.measure import Measurement
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.segment import Segments
 from rich.table import Column, Table
+from rich.text import Text
 
+from ondevice_moe.destination import check_file_destination, check_folder_destination
 from ondevice_moe.distribution import BUNDLED_RECIPES, VERSION
 from ondevice_moe.errors import UserError
 from ondevice_moe.launch import bundled_recipe, find_recipe, set_run_environment
+from ondevice_moe.tracking.progress import ProgressLines
 
 if TYPE_CHECKING:
-    from ondevice_moe.plan import DevicePlan
+    from ondevice_moe.plan import DevicePlan, UserCounts
     from ondevice_moe.recipe import Recipe
 
 app = typer.Typer(
@@ -35,6 +39,7 @@ console = Console()
 
 MAX_USER_COLUMNS = 5
 Device = Literal["auto", "cpu", "cuda"]
+Suite = Literal["lm", "glue"]
 DEVICE_HELP = "Where the model runs (recipe key model.device): auto picks CUDA when present."
 
 
@@ -59,8 +64,11 @@ def finetune(
     output: Annotated[Path | None, typer.Option(help="Run folder (default: runs/<recipe name>).")] = None,
     seed: Annotated[int | None, typer.Option(help="Override the recipe's seed.")] = None,
     device: Annotated[Device | None, typer.Option(help=DEVICE_HELP)] = None,
-    dry_run: Annotated[bool, typer.Option("--dry-run",
-                                          help="Print the resolved recipe and the plan; train nothing.")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Read the data and print the resolved recipe, the "
+                                          "plan and each user's data; train nothing.")] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace the run in the --output folder (another "
+                                            "recipe's, or this one's to start over) once the inputs check out."
+                                            )] = False,
     federation: Annotated[str | None, typer.Option(
         help="Run on real devices: the SuperLink of this name in Flower's connection config "
              "($FLWR_HOME/config.toml; docs/deployment.md). Default: Flower's simulation on this machine.")] = None,
@@ -77,30 +85,30 @@ def finetune(
     try:
         loaded = load_recipe(find_recipe(recipe), overrides, seed)
         if dry_run:
-            _print_plan(loaded, output)
+            _print_plan(loaded, output, read_data=federation is None)
             return
         what = f"task {loaded.task.name}, " if loaded.task else ""
         console.print(f"[bold]{loaded.name}[/]: {what}{len(loaded.user_names)} devices, model {loaded.model.name}, "
-                      f"methods {', '.join(Job(loaded, i, Path()).method.name for i in range(len(loaded.methods)))}")
-        with _progress() as progress:
+                      f"methods {', '.join(Job(loaded, i, Path()).method.name for i in range(len(loaded.methods)))}",
+                      soft_wrap=True)
+        plain = not console.is_terminal  # a log file or CI: a whole line per event, as it happens, and no bars
+        with _progress(disable=plain) as progress:
             tasks: dict[str, int] = {}
-
-            plain = not console.is_terminal  # a log file or CI: a line per event, as it happens
-            started = time.monotonic()
+            lines = ProgressLines()
 
             def on_method(name: str, index: int, count: int) -> None:
                 tasks["current"] = progress.add_task(f"[{index + 1}/{count}] {name}", total=None, status="starting")
                 if plain:
-                    console.print(escape(f"[{index + 1}/{count}] {name}: starting ({time.monotonic() - started:.0f}s)"))
+                    console.print(escape(lines.method(name, index, count)), soft_wrap=True)
 
             def on_round(done: int, total: int, line: str) -> None:
                 progress.update(tasks["current"], completed=done, total=total, status=line)
                 if plain:
-                    console.print(escape(f"  {done}/{total}: {line} ({time.monotonic() - started:.0f}s)"))
+                    console.print(escape(lines.round(done, total, line)), soft_wrap=True)
 
             if federation is not None:
                 _warn_if_insecure(federation)
-            result = run_recipe(loaded, output, on_method, on_round, federation)
+            result = run_recipe(loaded, output, on_method, on_round, federation, overwrite)
     except UserError as error:
         _fail(error)
     _print_summary(result.summary)
@@ -118,40 +126,81 @@ def _warn_if_insecure(federation: str) -> None:
                       "is; use TLS (root-certificates) and SuperNode authentication (docs/deployment.md)")
 
 
-def _progress() -> Progress:
+def _progress(disable: bool = False) -> Progress:
     """Rounds per method: bar, elapsed and remaining time (once the total is known), then a status line
-    that is cut, not wrapped, on narrow terminals."""
+    that is cut, not wrapped, on narrow terminals; ``disable``: none of it (no terminal to redraw on)."""
     status = Column(no_wrap=True, overflow="ellipsis", ratio=1)
     return Progress(TextColumn("{task.description}"), BarColumn(bar_width=20),
                     TextColumn("{task.completed}/{task.total}"),
                     TimeElapsedColumn(table_column=Column(no_wrap=True, min_width=7)),
                     TimeRemainingColumn(table_column=Column(no_wrap=True, min_width=7)),
-                    TextColumn("{task.fields[status]}", table_column=status), console=console, expand=True)
+                    TextColumn("{task.fields[status]}", table_column=status), console=console, expand=True,
+                    disable=disable)
 
 
 @app.command("eval")
 def evaluate(
     run: Annotated[Path, typer.Argument(help="A run folder written by `ondevice-moe finetune`.")],
-    suite: Annotated[str | None, typer.Option(
+    suite: Annotated[Suite | None, typer.Option(
         help="lm (perplexity in/out of distribution) or glue (task metrics). Default: the run's own task.")] = None,
     device: Annotated[Device | None, typer.Option(help=DEVICE_HELP + " Default: the run's recipe.")] = None,
     split: Annotated[str | None, typer.Option(
         help="test or valid: the split a language model's users are scored on (data.eval_split). "
              "Default: the run's recipe.")] = None,
+    data: Annotated[Path | None, typer.Option(
+        help="Score the run's users on a file of yours instead: text (.txt, .md, a folder of them, .jsonl) for a "
+             "language model, .csv/.tsv/.jsonl with text and label columns for classification.")] = None,
+    out: Annotated[Path | None, typer.Option(help="Where --data's scores go. Default: RUN/eval.json.")] = None,
+    text_column: Annotated[list[str], typer.Option(
+        help="--data's text column or JSONL field (twice for sentence pairs). Default: text, or the run's task "
+             "file's.")] = [],  # noqa: B006
+    label_column: Annotated[str | None, typer.Option(
+        help="--data's label column or JSONL field. Default: label, or the run's task file's.")] = None,
     trust_plugins: Annotated[bool, typer.Option(
         "--trust-plugins", help="Run the code of the method plug-in files the recipe names (plugins:).")] = False,
 ) -> None:
-    """Re-evaluate a finished run from its checkpoints."""
-    from ondevice_moe.runner import evaluate_run
-
+    """Re-evaluate a finished run from its checkpoints, on its own data or (--data) on a file of yours."""
     _trust(trust_plugins)
-    if split not in (None, "test", "valid"):
-        _fail(UserError(f"unknown split '{split}'", "use --split test or --split valid"))
     try:
+        if data is not None:
+            _score_file(run, data, out, device, text_column, label_column, suite, split)
+            return
+        if out is not None or text_column or label_column is not None:
+            raise UserError("--out, --text-column and --label-column describe a --data file",
+                            "add --data FILE, or drop them")
+        if split not in (None, "test", "valid"):
+            raise UserError(f"unknown split '{split}'", "use --split test or --split valid")
+        from ondevice_moe.runner import evaluate_run
+
         summary = evaluate_run(run, suite, device, split)  # None keeps the device of the run's recipe
     except UserError as error:
         _fail(error)
-    _print_summary(summary)
+    _print_summary(summary, traffic=False)
+
+
+def _score_file(run: Path, data: Path, out: Path | None, device: str | None, text_columns: list[str],
+                label_column: str | None, suite: str | None, split: str | None) -> None:
+    """``eval --data``: every user's model on the file, printed and written to ``eval.json``."""
+    if suite is not None or split is not None:
+        raise UserError("--suite and --split choose among the run's own data; --data scores your file",
+                        "drop --suite and --split")
+    check_file_destination(out or run / "eval.json", "--out", "eval.json")  # before torch loads
+    from ondevice_moe.eval_file import score_file
+
+    scores = score_file(run, data, out, device, text_columns or None, label_column)
+    users = list(next(iter(scores.scores.values())))
+    shown = users if len(users) <= MAX_USER_COLUMNS else []  # the file holds every user
+    size = ", ".join(f"{count:,} {what}" for what, count in scores.size.items())
+    table = Table(title=f"{scores.metric} on {escape(str(data))} ({size})")
+    table.add_column("method", no_wrap=True)
+    for column in (*shown, "mean over users"):
+        table.add_column(escape(column), justify="right")
+    for method, per_user in scores.scores.items():
+        values = [entry[scores.metric] for entry in per_user.values()]
+        table.add_row(escape(method), *(f"{per_user[user][scores.metric]:.2f}" for user in shown),
+                      f"{sum(values) / len(values):.2f}")
+    _print_table(table)
+    console.print(f"wrote {scores.written}")
 
 
 @app.command()
@@ -163,7 +212,7 @@ def export(
     experts: Annotated[list[str], typer.Option(
         help="shared (default), all (private experts and routers too: the user's own), or expert names.")] = [],  # noqa: B006
     format_: Annotated[str, typer.Option("--format", help="both (default), toolkit (the whole model) or "
-                                                          "peft (one PEFT adapter per LoRA expert).")] = "both",
+                                                          "peft (PEFT adapters only).")] = "both",
     push_to_hub: Annotated[str | None, typer.Option(help="Also upload the folder to this Hub repo, ORG/NAME.")] = None,
     private: Annotated[bool, typer.Option("--private", help="Create the Hub repo as private.")] = False,
     force: Annotated[bool, typer.Option("--force", help="Overwrite an earlier export in --to.")] = False,
@@ -175,10 +224,11 @@ def export(
         "--trust-plugins", help="Run the code of the method plug-in files the recipe names (plugins:).")] = False,
 ) -> None:
     """Export one user's trained model: PEFT adapters, the toolkit's format, a model card."""
-    from ondevice_moe.export import export_user
-
     _trust(trust_plugins)
     try:
+        check_folder_destination(to, "--to")  # before torch loads
+        from ondevice_moe.export import export_user
+
         result = export_user(run, method, user, to, experts, format_, force, push_to_hub, private, device, centre)
     except UserError as error:
         _fail(error)
@@ -190,10 +240,25 @@ def export(
         console.print(f"pushed: {result.url}")
 
 
-def _print_summary(summary: dict) -> None:
+def _print_table(table: Table) -> None:
+    """``table`` as wide as the terminal; where output is no terminal (a log file, CI: 80 columns by
+    default) as wide as its contents, so that no column is squeezed (rich prints no wider than the console)."""
+    if console.is_terminal:
+        console.print(table)
+        return
+    natural = Measurement.get(console, console.options.update_width(10_000), table).maximum
+    for line in console.render_lines(table, console.options.update_width(natural), pad=False, new_lines=True):
+        console.print(Segments(line), crop=False, soft_wrap=True)
+
+
+def _print_summary(summary: dict, traffic: bool = True) -> None:
+    """The results table; without ``traffic`` (a re-evaluation: no rounds ran, no bytes travelled) no upload column."""
     from ondevice_moe.report import score_title, table_rows
 
     header, rows = table_rows(summary)
+    if not traffic:
+        cut = next(index for index, column in enumerate(header) if column.startswith("upload"))
+        header, rows = header[:cut], [row[:cut] for row in rows]
     users = len(summary["users"])
     if users > MAX_USER_COLUMNS:  # keep the console table readable; report.md has every client
         header = [header[0], *header[1 + users :]]
@@ -204,10 +269,10 @@ def _print_summary(summary: dict) -> None:
         if column == "method":
             table.add_column(column, justify="left", no_wrap=True, min_width=widest)
         else:
-            table.add_column(column, justify="right")
+            table.add_column(column, justify="right", overflow="fold")  # a long word breaks; nothing is cut
     for row in rows:
         table.add_row(*row)
-    console.print(table)
+    _print_table(table)
     for name, method in summary["methods"].items():
         if method.get("dropped"):
             users = ", ".join(f"{user} ({count} round{'s' * (count > 1)})" for user, count in method["dropped"].items())
@@ -248,10 +313,9 @@ def inspect_routing(
         "--trust-plugins", help="Run the code of the method plug-in files the recipe names (plugins:).")] = False,
 ) -> None:
     """Write a page of a user's routing: tokens coloured by expert per layer, scores and bytes over rounds."""
-    from ondevice_moe.inspect import write_inspection
-
     _trust(trust_plugins)
     try:
+        check_file_destination(to, "--to", "routing.html")  # before torch loads
         source = "your text"
         if text is not None and file is not None:
             raise UserError("both --text and --file given", "pass one of them (or neither, for the user's test split)")
@@ -264,10 +328,53 @@ def inspect_routing(
             except (OSError, UnicodeDecodeError) as error:
                 raise UserError(f"cannot read --file {file} ({getattr(error, 'strerror', None) or error})",
                                 "pass a readable UTF-8 text file") from None
+        from ondevice_moe.inspect import write_inspection
+
         written = write_inspection(run, method, user, text, to, source)
     except UserError as error:
         _fail(error)
     console.print("wrote " + ", ".join(str(path) for path in written))
+
+
+@app.command()
+def generate(
+    run: Annotated[Path, typer.Argument(help="A language-modelling run folder written by `ondevice-moe finetune`.")],
+    method: Annotated[str, typer.Option(help="A method of the run, e.g. comigs-1G1S.")],
+    user: Annotated[str, typer.Option(help="A user of the run: its device's model (experts, routers) writes.")],
+    prompt: Annotated[str, typer.Option(help="The text to continue.")],
+    max_new_tokens: Annotated[int, typer.Option(help="At most this many new tokens.")] = 50,
+    temperature: Annotated[float, typer.Option(help="0: greedy; above 0: sampled from softmax(logits / T).")] = 0.0,
+    seed: Annotated[int, typer.Option(help="The sampling seed: the same seed gives the same text.")] = 0,
+    device: Annotated[Device | None, typer.Option(help=DEVICE_HELP + " Default: the run's recipe.")] = None,
+    trust_plugins: Annotated[bool, typer.Option(
+        "--trust-plugins", help="Run the code of the method plug-in files the recipe names (plugins:).")] = False,
+) -> None:
+    """Continue a prompt with one user's trained model (the prompt in bold, then the model's text)."""
+    _trust(trust_plugins)
+    try:
+        from ondevice_moe.generate import generate_text
+
+        result = generate_text(run, method, user, prompt, max_new_tokens, temperature, seed, device)
+    except UserError as error:
+        _fail(error)
+    console.print(Text.assemble((result.prompt, "bold"), result.continuation), soft_wrap=True)
+
+
+@app.command()
+def compare(
+    runs: Annotated[list[Path], typer.Argument(
+        help="Run folders, e.g. one per seed; A+B joins folders of one seed (their methods side by side).")],
+    against: Annotated[str | None, typer.Option(
+        help="Add the paired test of every method against this one (per run and user).")] = None,
+) -> None:
+    """Compare runs: per method the mean (std) over runs, and with --against the paired test (docs/runs.md)."""
+    from ondevice_moe.compare import comparison
+
+    try:
+        text = comparison(runs, against)
+    except UserError as error:
+        _fail(error)
+    console.print(text, markup=False, highlight=False, soft_wrap=True)
 
 
 def _trust(trust_plugins: bool) -> None:
@@ -278,11 +385,20 @@ def _trust(trust_plugins: bool) -> None:
 
 
 @methods_app.command("list")
-def list_methods() -> None:
+def list_methods(
+    recipe: Annotated[Path | None, typer.Option(
+        help="Also the methods of this recipe's plug-in files (plugins:), loaded with --trust-plugins.")] = None,
+    trust_plugins: Annotated[bool, typer.Option(
+        "--trust-plugins", help="Run the code of the method plug-in files the recipe names (plugins:).")] = False,
+) -> None:
     """List every method, the tasks it runs on, and where it comes from (built in, a package, a file)."""
     from ondevice_moe.methods.registry import METHODS, method_origins
+    from ondevice_moe.recipe import load_recipe
 
+    _trust(trust_plugins)
     try:
+        if recipe is not None:
+            load_recipe(find_recipe(recipe))
         origins = method_origins()
     except UserError as error:
         _fail(error)
@@ -361,13 +477,16 @@ def _print_yaml(text: str) -> None:
     console.print(text.rstrip("\n"), markup=False, highlight=False, soft_wrap=True)
 
 
-def _print_plan(recipe: Recipe, output: Path | None) -> None:
-    """The resolved recipe, then per method the devices and their trained and uploaded parameters."""
+def _print_plan(recipe: Recipe, output: Path | None, read_data: bool = True) -> None:
+    """The resolved recipe, then per method the devices and their trained and uploaded parameters, then
+    what each user's data holds (``read_data``; read first, so bad data fails as in a real run)."""
     import yaml
 
     from ondevice_moe.plan import plan_recipe
     from ondevice_moe.report import format_bytes
+    from ondevice_moe.runner import check_inputs
 
+    counts = check_inputs(recipe) if read_data else None
     _print_yaml(yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False))
     federation = recipe.federation
     work = (f"{federation.local_epochs} local epoch(s)" if federation.local_epochs
@@ -376,13 +495,40 @@ def _print_plan(recipe: Recipe, output: Path | None) -> None:
                   f"{federation.rounds} rounds of {work}, run folder {output or Path('runs') / recipe.name}")
     table = Table(title="Parameters per device (uploaded: sent to the server each round)")
     for column in ("method", "devices", "trainable", "uploaded", "upload / round / device"):
-        table.add_column(column, justify="left" if column in ("method", "devices") else "right")
+        table.add_column(column, justify="left" if column in ("method", "devices") else "right",
+                         no_wrap=column == "method")
     for method in plan_recipe(recipe, Path(output or Path("runs") / recipe.name)):
         for devices, plan in _group_devices(method.devices):
             table.add_row(method.name, devices, f"{plan.trainable:,}", f"{plan.uploaded:,}",
                           format_bytes(plan.uploaded_bytes))
-    console.print(table)
+    _print_table(table)
+    if counts is None:
+        console.print("data: each device reads its own (--federation); none was read here")
+    else:
+        _print_table(_data_table(counts))
     console.print("dry run: nothing was trained")
+
+
+def _data_table(counts: list[UserCounts]) -> Table:
+    """Per user: a language model's blocks and tokens per split, or a task's examples and training labels."""
+    from ondevice_moe.plan import TextCounts
+
+    if all(isinstance(user, TextCounts) for user in counts):
+        splits = ("train", "valid", "test")
+        table = Table(title="Data per user (tokens in whole blocks, as trained and scored)")
+        for column in ("user", *(f"{split} tokens" for split in splits), "blocks train / valid / test"):
+            table.add_column(column, justify="left" if column == "user" else "right")
+        for user in counts:
+            table.add_row(escape(user.user), *(f"{user.tokens[split]:,}" for split in splits),
+                          " / ".join(f"{user.blocks[split]:,}" for split in splits))
+        return table
+    table = Table(title="Data per client (examples as dealt)")
+    for column in ("client", "train", "test", "training labels"):
+        table.add_column(column, justify="right" if column in ("train", "test") else "left")
+    for user in counts:
+        labels = "scores" if user.labels is None else ", ".join(f"{name} {n}" for name, n in user.labels.items())
+        table.add_row(escape(user.user), f"{user.examples['train']:,}", f"{user.examples['test']:,}", escape(labels))
+    return table
 
 
 def _group_devices(devices: tuple[DevicePlan, ...]) -> list[tuple[str, DevicePlan]]:

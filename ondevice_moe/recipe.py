@@ -7,6 +7,7 @@ naming the key and what would be valid.
 
 from __future__ import annotations
 
+import glob
 import typing
 from pathlib import Path
 from typing import Any, Literal
@@ -32,6 +33,7 @@ from ondevice_moe.models.registry import MODEL_ALIASES
 from ondevice_moe.models.small import SMALL_MODELS
 from ondevice_moe.names import folder_name, name_problem
 from ondevice_moe.overrides import apply_override
+from ondevice_moe.tracking.section import LoggingSection
 
 
 class _Section(BaseModel):
@@ -87,6 +89,9 @@ class SourceSection(_Section):
     split: str = "train"
     text_field: str = "text"
     filter: dict[str, Any] | None = None
+    prompt_field: str = "prompt"          # instruction-file: the prompt's column
+    response_field: str = "response"      # instruction-file: the response's column
+    messages_field: str | None = None     # instruction-file: a column of chat messages, in place of the two
 
     @field_validator("source")
     @classmethod
@@ -202,9 +207,13 @@ class TaskSection(_Section):
     * a small vector or image task (``floral-linear``, ``fedsoft-10-90``, ``digits-rotate``, ...):
       ``clients`` and ``clusters`` default to the paper's K and C, ``data_fraction: 0.05`` is FLoRAL's
       Reduced variant and ``dirichlet_alpha`` skews ``digits-dirichlet``;
-    * the user's own labelled file: ``path`` (``.csv``, ``.tsv`` or ``.jsonl``), ``text_columns`` (one, or
-      two for sentence pairs), ``label_column`` (class names or indices), ``labels`` (the class names, in
-      index order) and ``metric``; ``name`` is then the user's own.
+    * the user's own labelled data, read through ``datasets``: ``path`` (a ``.csv``, ``.tsv``, ``.json``,
+      ``.jsonl`` or ``.parquet`` file, a glob or a folder of them, or a folder written by ``save_to_disk``)
+      dealt to ``clients`` by Dirichlet(α) label skew, or ``files``, one file per client (client ``k``
+      reads file ``k``, named under the folder ``path``; a glob such as ``"*.csv"`` lists the files it
+      matches, sorted; ``clients`` is the number of files, and ``max_*_examples`` cap each client);
+      ``text_columns`` (one, or two for sentence pairs), ``label_column`` (class names or indices),
+      ``labels`` (the class names, in index order) and ``metric``; ``name`` is then the user's own.
     """
 
     name: str
@@ -216,6 +225,7 @@ class TaskSection(_Section):
     batch_size: int = Field(32, ge=1)
     eval_batch_size: int = Field(64, ge=1)
     path: str | None = None
+    files: list[str] | None = Field(None, min_length=1)
     text_columns: list[str] = Field(default_factory=lambda: ["text"], min_length=1, max_length=2)
     label_column: str = "label"
     labels: list[str] | None = None
@@ -233,6 +243,22 @@ class TaskSection(_Section):
                 value = {**value, "clients": task.clients}
         return value
 
+    @model_validator(mode="before")
+    @classmethod
+    def _one_client_per_file(cls, value: Any) -> Any:
+        """``files`` as a glob becomes the sorted names it matches under ``path``; without ``clients``,
+        there are as many clients as files."""
+        files = value.get("files") if isinstance(value, dict) else None
+        if isinstance(files, str):
+            folder = Path(value.get("path") or ".").expanduser()
+            files = sorted(name for name in glob.glob(files, root_dir=folder, recursive=True)
+                           if (folder / name).is_file())
+            if not files:
+                raise ValueError(f"task.files '{value['files']}' matches no file in {folder}")
+        if isinstance(files, list):
+            value = {"clients": len(files), **value, "files": files}
+        return value
+
     @model_validator(mode="after")
     def _fits_task(self) -> TaskSection:
         from ondevice_moe.data.small import check_small_options
@@ -242,19 +268,27 @@ class TaskSection(_Section):
                    if getattr(self, key) != field.get_default(call_default_factory=True)}
         file_keys = sorted({"text_columns", "label_column", "labels", "metric"} & changed)
         small_keys = sorted({"clusters", "data_fraction"} & changed)
-        if self.path is None and self.name not in TASKS:
+        own_data = self.path is not None or self.files is not None
+        if not own_data and self.name not in TASKS:
             raise ValueError(f"unknown task '{self.name}'; use one of {', '.join(TASKS)}, "
-                             "or give `path` (and `labels`) to read your own labelled CSV / JSONL file")
-        if self.path is None and file_keys:
-            raise ValueError(f"{file_keys} only apply to your own labelled file: give `path` too, or drop them")
-        if self.path is not None and self.name in TASKS:
-            raise ValueError(f"'{self.name}' is a registered task; give the task read from `path` another name")
-        if self.path is not None and self.label_column in self.text_columns:
+                             "or give `path` (and `labels`) to read your own labelled data")
+        if not own_data and file_keys:
+            raise ValueError(f"{file_keys} only apply to your own labelled data: give `path` or `files` too, "
+                             "or drop them")
+        if own_data and self.name in TASKS:
+            raise ValueError(f"'{self.name}' is a registered task; give the task read from your data another name")
+        if own_data and self.label_column in self.text_columns:
             raise ValueError(f"text_columns {self.text_columns} include the label_column '{self.label_column}': the "
                              "model would read the answer; name the columns that hold the text")
-        if self.path is not None and self.labels is None:
-            raise ValueError("a task read from `path` needs `labels`: its class names in index order, "
+        if own_data and self.labels is None:
+            raise ValueError("a task read from your own data needs `labels`: its class names in index order, "
                              "e.g. [negative, positive]")
+        if self.files is not None and self.clients != len(self.files):
+            raise ValueError(f"task.clients={self.clients}, but task.files names {len(self.files)} files and each "
+                             f"client reads one: drop `clients`, or name {self.clients} files")
+        if self.files is not None and "dirichlet_alpha" in changed:
+            raise ValueError("dirichlet_alpha deals one data set over the clients; under task.files each client "
+                             "reads its own file: drop it")
         try:
             task = self.spec()
             if not task.is_text:
@@ -270,12 +304,14 @@ class TaskSection(_Section):
         return self
 
     def spec(self) -> Any:
-        """The :class:`~ondevice_moe.data.tasks.TaskSpec`: a registered task, or one over the user's file."""
+        """The :class:`~ondevice_moe.data.tasks.TaskSpec`: a registered task, or one over the user's data."""
         from ondevice_moe.data.tasks import UserTaskFile, user_task
 
-        if self.path is None:
+        if self.path is None and self.files is None:
             return TASKS[self.name]
-        file = UserTaskFile(Path(self.path).expanduser(), tuple(self.text_columns), self.label_column)
+        path = Path(self.path or ".").expanduser()
+        client_files = tuple(path / Path(name).expanduser() for name in self.files or ())
+        file = UserTaskFile(path, tuple(self.text_columns), self.label_column, client_files)
         return user_task(self.name, self.labels, file, self.metric)
 
 
@@ -395,10 +431,13 @@ class FederationSection(_Section):
 class PrivacySection(_Section):
     """Differential privacy of what leaves a device (:mod:`ondevice_moe.federation.privacy`):
     each round's update of the shared tensors is clipped to L2 norm ``clip_norm`` and gets
-    Gaussian noise of std ``noise_multiplier · clip_norm`` on the device. Off by default."""
+    Gaussian noise of std ``noise_multiplier · clip_norm`` on the device. Off by default.
+    ``delta``: the δ at which ε is reported (:mod:`ondevice_moe.federation.accountant`); keep it
+    well below 1 / the number of devices."""
 
     clip_norm: float | None = Field(None, gt=0)
     noise_multiplier: float = Field(0.0, ge=0)
+    delta: float = Field(1e-5, gt=0, lt=1)
 
     @property
     def enabled(self) -> bool:
@@ -484,6 +523,7 @@ class Recipe(_Section):
     federation: FederationSection = FederationSection()
     privacy: PrivacySection = PrivacySection()
     training: TrainingSection = TrainingSection()
+    logging: LoggingSection = LoggingSection()
     plugins: list[str] = []
     """Python files or package folders of methods of the recipe's own (:mod:`ondevice_moe.methods.plugins`),
     relative to the recipe; their code runs only where the user trusts it (``--trust-plugins``)."""
@@ -598,7 +638,7 @@ class Recipe(_Section):
 
     def method_context(self) -> MethodContext:
         clusters = None
-        if self.task is not None and self.task.path is None:
+        if self.task is not None and self.task.path is None and self.task.files is None:
             clusters = self.task.clusters or self.task.spec().clusters
         return MethodContext(num_users=len(self.user_names), weighting=self.federation.weighting, clusters=clusters,
                              seed=self.seed)

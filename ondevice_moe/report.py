@@ -127,7 +127,9 @@ def summarize(records: list[dict[str, Any]], methods: list[str], users: list[str
     task's ``metric`` as ``score`` (×100 for fractions such as accuracy, as it
     is for errors such as MSE). ``dropped``: how often each user's device was
     dropped from a round (it raised, timed out or sent a rejected update). ``privacy``:
-    each round's clip norm, noise, clipped updates and largest pre-clip norm (recipe ``privacy``).
+    each round's clip norm, noise, clipped updates, largest pre-clip norm and (ε, δ) so far (recipe
+    ``privacy``); ``privacy_spent``: the last round's (ε, δ), ε null without noise, and ``uploads``, the
+    most rounds one device took part in.
     ``round_overhead`` (beside ``methods``: timings differ between runs that agree on every result):
     per method, each round's wall time, slowest client, busiest worker and overhead.
     ``eval_split``: the split the language-modelling values were scored on (``data.eval_split``):
@@ -158,7 +160,10 @@ def summarize(records: list[dict[str, Any]], methods: list[str], users: list[str
             entry["privacy"] = [{key: r[key] for key in ("round", "clip_norm", "noise_multiplier", "noise_std",
                                                          "devices", "clipped")}
                                 | {"max_update_norm": max(r["update_norms"].values(), default=0.0)}
+                                | {key: r[key] for key in ("epsilon", "delta", "uploads") if key in r}  # older: none
                                 for r in sorted(privacy, key=lambda r: r["round"])]
+            if "delta" in entry["privacy"][-1]:
+                entry["privacy_spent"] = {key: entry["privacy"][-1][key] for key in ("epsilon", "delta", "uploads")}
         centres = {key: value for key, value in final[evaluated[0]].items() if CENTRE_KEY.fullmatch(key)}
         if centres:
             entry["centres"] = centres
@@ -349,17 +354,30 @@ def _personalisation_table(methods: dict[str, Any], shorts: tuple[str, ...], not
 
 
 def _privacy_section(summary: dict[str, Any]) -> list[str]:
-    """Each round's differential-privacy parameters (recipe ``privacy``), for methods run with them."""
+    """Each round's differential-privacy parameters and (ε, δ) (recipe ``privacy``), for methods run with them."""
     rows = [f"| {name} | {r['round']} | {r['clip_norm']:g} | {r['noise_multiplier']:g} | {r['noise_std']:g} | "
-            f"{r['clipped']} of {r['devices']} | {r['max_update_norm']:.4g} |"
+            f"{r['clipped']} of {r['devices']} | {r['max_update_norm']:.4g} | {_epsilon_delta(r)} |"
             for name, m in summary["methods"].items() for r in m.get("privacy", [])]
     if not rows:
         return []
-    return ["## Differential privacy", "",
-            "Each device clipped its round's update of the shared tensors to L2 norm C and added Gaussian noise "
-            "of std σ = z·C per coordinate before encoding it (docs/federation.md). Norms are before clipping.", "",
-            "| method | round | clip norm C | noise multiplier z | noise std σ | updates clipped | largest norm |",
-            "|---|---|---|---|---|---|---|", *rows, ""]
+    spent = [f"- **{name}:** (ε, δ) = {_epsilon_delta(m['privacy_spent'])}"
+             for name, m in summary["methods"].items() if "privacy_spent" in m]
+    lines = ["## Differential privacy", "",
+             "Each device clipped its round's update of the shared tensors to L2 norm C and added Gaussian noise "
+             "of std σ = z·C per coordinate before encoding it (docs/federation.md). Norms are before clipping. "
+             "(ε, δ): user-level, spent so far by the device that took part in the most rounds (Rényi DP, "
+             "dp-accounting); ε is ∞ without noise.", "",
+             "| method | round | clip norm C | noise multiplier z | noise std σ | updates clipped | largest norm "
+             "| (ε, δ) |", "|---|---|---|---|---|---|---|---|", *rows, ""]
+    return [*lines, *spent, ""] if spent else lines
+
+
+def _epsilon_delta(figures: dict[str, Any]) -> str:
+    """``(ε, δ)`` of a privacy record or summary, ∞ for a null ε, – for a log written before ε was."""
+    if "delta" not in figures:
+        return "–"
+    epsilon = "∞" if figures["epsilon"] is None else f"{figures['epsilon']:.3g}"
+    return f"({epsilon}, {figures['delta']:g})"
 
 
 def _overhead_section(summary: dict[str, Any]) -> list[str]:
@@ -392,62 +410,69 @@ def _drops_section(summary: dict[str, Any]) -> list[str]:
               for name, m in summary["methods"].items() if m.get("not_evaluated")), ""]
 
 
+SCORE_KEY = re.compile(r"layer_(\d+)/expert_(.+)_score")  # a train record's mean routing weight of an expert
+PANEL_COLUMNS = 4
+
+
 def plot_expert_scores(records: list[dict[str, Any]], method: str, path: Path) -> Path | None:
-    """Mean routing weight of expert 0 (the generalist) per layer over rounds (CoMiGS Fig. 4):
-    one line per layer, coloured by its band of depth, with one legend entry per band."""
+    """Each expert's routing score over rounds (CoMiGS Fig. 4), a panel per device: one line per
+    expert, its mean over the layers, in a band from its lowest to its highest layer."""
     trains = [r for r in records if r["method"] == method and r["kind"] == "train"]
     by_user: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for record in trains:
         by_user[record["user"]].append(record)
-    keys = sorted({k for r in trains for k in r if k.startswith("layer_") and k.endswith("_score")})
-    first_expert = sorted({k.split("/expert_")[1].removesuffix("_score") for k in keys})
-    if not by_user or not first_expert:
+    experts = sorted({m[2] for r in trains for key in r if (m := SCORE_KEY.fullmatch(key))},
+                     key=lambda name: (not name.startswith("shared"), name))  # generalists first
+    if not experts:
         return None
-    expert = "shared_0" if "shared_0" in first_expert else first_expert[0]
-    layers = sorted({int(k.split("/")[0].removeprefix("layer_")) for k in keys})
-    bands = layer_bands(layers)
     plt = pyplot()
-    colours = plt.cm.viridis_r([i / max(len(bands) - 1, 1) for i in range(len(bands))])
-    figure, axes = plt.subplots(1, len(by_user), figsize=(4 * len(by_user), 3.4), squeeze=False, sharey=True)
-    for axis, (user, rows) in zip(axes[0], sorted(by_user.items()), strict=True):
-        rows.sort(key=lambda r: r["round"])
-        for band, colour in zip(bands, colours, strict=True):
-            for index, layer in enumerate(band):
-                key = f"layer_{layer}/expert_{expert}_score"
-                points = [(r["round"], r[key]) for r in rows if key in r]
-                if points:
-                    axis.plot(*zip(*points, strict=True), color=colour, linewidth=1, marker=".",
-                              label=_band_label(band) if index == 0 else None)
+    columns = min(len(by_user), PANEL_COLUMNS)
+    rows = -(-len(by_user) // columns)
+    figure, axes = plt.subplots(rows, columns, figsize=(4 * columns, 3.2 * rows), squeeze=False, sharey=True)
+    for axis, (user, user_records) in zip(axes.flat, sorted(by_user.items()), strict=False):
+        user_records.sort(key=lambda r: r["round"])
+        for expert in experts:
+            rounds, layers = _scores_by_round(user_records, expert)
+            if rounds:
+                line, = axis.plot(rounds, [statistics.fmean(s) for s in layers], marker=".", label=expert)
+                axis.fill_between(rounds, [min(s) for s in layers], [max(s) for s in layers],
+                                  color=line.get_color(), alpha=0.2, linewidth=0)
         axis.set_title(user)
         axis.set_xlabel("round")
         integer_ticks(axis)
-    axes[0][0].set_ylabel(f"score of {expert}")
-    axes[0][-1].legend(title="layers", fontsize="small", loc="upper left", bbox_to_anchor=(1.02, 1.0))
-    figure.suptitle(f"{method}: expert scores per layer")
+    for axis in axes.flat[len(by_user):]:
+        axis.set_visible(False)
+    for row in axes:
+        row[0].set_ylabel("score: mean over layers")
+    axes[0][0].legend(title="expert", fontsize="small")
+    figure.suptitle(f"{method}: expert scores (band: lowest to highest layer)")
     return save_figure(figure, path)
 
 
-def layer_bands(layers: list[int], most: int = 6) -> list[list[int]]:
-    """``layers`` in at most ``most`` consecutive bands of near-equal size (each layer its own band
-    when there are few), so a plot of 30 layers needs six legend entries, not thirty."""
-    count = min(len(layers), most)
-    size, extra = divmod(len(layers), count)
-    bands, start = [], 0
-    for band in range(count):
-        stop = start + size + (band < extra)
-        bands.append(layers[start:stop])
-        start = stop
-    return bands
-
-
-def _band_label(band: list[int]) -> str:
-    return str(band[0]) if len(band) == 1 else f"{band[0]}–{band[-1]}"
+def _scores_by_round(records: list[dict[str, Any]], expert: str) -> tuple[list[int], list[list[float]]]:
+    """The rounds of ``records`` (one device's, in order) scoring ``expert``, and its score per layer in each."""
+    rounds, layers = [], []
+    for record in records:
+        scores = [value for key, value in record.items() if (m := SCORE_KEY.fullmatch(key)) and m[2] == expert]
+        if scores:
+            rounds.append(record["round"])
+            layers.append(scores)
+    return rounds, layers
 
 
 def plot_rounds(records: list[dict[str, Any]], methods: list[str], path: Path) -> Path | None:
     """Mean headline value (in-distribution perplexity or score) over rounds, one line per method."""
     plt = pyplot()
     figure, axis = plt.subplots(figsize=(6, 3.6))
+    if not _draw_rounds(axis, records, methods):
+        plt.close(figure)
+        return None
+    return save_figure(figure, path)
+
+
+def _draw_rounds(axis: Any, records: list[dict[str, Any]], methods: list[str]) -> bool:
+    """Draw each method's mean headline value over users per round on ``axis`` (an untrained
+    reference as a dashed level); whether there was anything to draw."""
     drawn = False
     for method in methods:
         by_round: dict[int, list[float]] = defaultdict(list)
@@ -461,15 +486,74 @@ def plot_rounds(records: list[dict[str, Any]], methods: list[str], path: Path) -
             rounds = sorted(by_round)
             axis.plot(rounds, [statistics.fmean(by_round[k]) for k in rounds], marker="o", label=method)
             drawn = True
-    if not drawn:
-        plt.close(figure)
+    if drawn:
+        axis.set_xlabel("round")
+        integer_ticks(axis)
+        language = any("test_ppl_in" in r for r in records if r["kind"] == "eval")
+        axis.set_ylabel("mean test perplexity (in-dist)" if language else "mean test score")
+        axis.legend(fontsize="small")
+    return drawn
+
+
+def step_losses(record: dict[str, Any]) -> list[tuple[int, float]]:
+    """A ``train`` record's loss at each training step, as ``(step, loss)``: steps of the device's own
+    count, which runs on across rounds (the record's ``iteration`` is its round's last step). None where
+    the record does not say which steps they were (a device's malformed metrics)."""
+    losses, last = record.get("step_losses"), record.get("iteration")
+    if not (isinstance(losses, list) and isinstance(last, int | float) and losses and len(losses) <= last < 2**53):
+        return []
+    first = int(last) - len(losses) + 1
+    return [(first + offset, float(loss)) for offset, loss in enumerate(losses)]
+
+
+# Losses of a method's phases other than its plain training steps, per round: name in the legend.
+# Routers step on the router split: the validation split, or training batches in CoMiGS's -tr ablation.
+PHASE_LOSSES = {"router_loss": "router steps", "train_loss_local": "local phase"}
+
+
+def plot_loss_curves(records: list[dict[str, Any]], methods: list[str], path: Path) -> Path | None:
+    """Training loss per step, mean over the devices (a method that logs no step losses: its round
+    means, at each round's last step); each phase's mean loss per round, where methods have phases
+    (routers on the router split, Flow's local phase); and the test metric per round."""
+    trained = [method for method in methods if any(r["method"] == method and r["kind"] == "train" for r in records)]
+    if not trained:
         return None
-    axis.set_xlabel("round")
-    integer_ticks(axis)
-    language = any("test_ppl_in" in r for r in records if r["kind"] == "eval")
-    axis.set_ylabel("mean test perplexity (in-dist)" if language else "mean test score")
-    axis.legend()
+    phases = {(r["method"], key) for r in records if r["kind"] == "train" and r["method"] in trained
+              for key in PHASE_LOSSES if key in r}
+    plt = pyplot()
+    figure, axes = plt.subplots(1, 3 if phases else 2, figsize=(15 if phases else 10, 3.8), squeeze=False)
+    steps_axis, *phase_axes, test_axis = axes[0]
+    for method in trained:
+        trains = [r for r in records if r["method"] == method and r["kind"] == "train"]
+        per_step = [point for r in trains for point in step_losses(r)]
+        round_means = not per_step
+        if round_means:  # each round's mean loss, as one step at the round's end
+            per_step = [point for r in trains if "train_loss" in r
+                        for point in step_losses({**r, "step_losses": [r["train_loss"]]})]
+        steps, means = _means_by(per_step)
+        steps_axis.plot(steps, means, marker="o" if round_means else None, label=method)
+    steps_axis.set(xlabel="step (each device's own count)", ylabel="training loss, mean over devices")
+    integer_ticks(steps_axis)
+    steps_axis.legend(fontsize="small")
+    for axis in phase_axes:
+        for method, key in sorted(phases):
+            rounds, means = _means_by([(r["round"], r[key]) for r in records
+                                       if r["method"] == method and r["kind"] == "train" and key in r])
+            axis.plot(rounds, means, marker="o", label=f"{method}: {PHASE_LOSSES[key]}")
+        axis.set(xlabel="round", ylabel="phase loss, mean over devices")
+        integer_ticks(axis)
+        axis.legend(fontsize="small")
+    _draw_rounds(test_axis, records, methods)
     return save_figure(figure, path)
+
+
+def _means_by(points: list[tuple[int, float]]) -> tuple[list[int], list[float]]:
+    """The mean value at each x of ``(x, value)`` points, in order of x."""
+    grouped: dict[int, list[float]] = defaultdict(list)
+    for x, value in points:
+        grouped[x].append(value)
+    xs = sorted(grouped)
+    return xs, [statistics.fmean(grouped[x]) for x in xs]
 
 
 def plot_communication(records: list[dict[str, Any]], methods: list[str], path: Path) -> Path | None:

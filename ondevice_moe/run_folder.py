@@ -8,8 +8,10 @@ ServerApp (one method), so the folder is the same either way. The report's summa
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,7 @@ from ondevice_moe.report import (
     MetricsLog,
     plot_communication,
     plot_expert_scores,
+    plot_loss_curves,
     plot_rounds,
     summarize,
     write_report,
@@ -37,32 +40,80 @@ class RunResult:
     report: Path
 
 
-def prepare_run_dir(recipe: Recipe, output: Path | None) -> Path:
-    """Create or reopen the run folder; a folder of another recipe, or one that cannot be
-    read or written, is a :class:`UserError`. A log line cut short by a killed run is removed."""
-    run_dir = Path(output) if output else Path("runs") / recipe.name
-    fix = "choose another --output folder, or delete the old one to start over"
+def run_dir_of(recipe: Recipe, output: Path | None) -> Path:
+    """The run folder of ``recipe``: ``output``, by default ``runs/<recipe name>``."""
+    return Path(output) if output else Path("runs") / recipe.name
+
+
+FOLDER_FIX = "choose another --output folder, or pass --overwrite to replace the run in it"
+
+
+def kept_methods(recipe: Recipe, run_dir: Path, overwrite: bool = False) -> set[str]:
+    """The finished methods that a run of ``recipe`` into ``run_dir`` keeps (resumes past), read without
+    writing anything: none for a new folder, or with ``overwrite`` (the run there is replaced). A folder that
+    is a file or cannot be read, a damaged log, or a run of another recipe is a :class:`UserError`; a folder
+    where nothing ran yet (its inputs failed their checks) takes any recipe."""
     if run_dir.exists() and not run_dir.is_dir():
-        raise UserError(f"the run folder {run_dir} is a file", fix)
+        raise UserError(f"the run folder {run_dir} is a file", "choose another --output folder")
+    if overwrite or not run_dir.is_dir():
+        return set()
     recipe_file = run_dir / "recipe.yaml"
-    resolved = yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False)
+    try:
+        existing = recipe_file.read_text(encoding="utf-8") if recipe_file.exists() else None
+        records = MetricsLog(run_dir / "metrics.jsonl").read()
+    except (OSError, UnicodeDecodeError) as error:
+        raise _unusable(run_dir, error) from None
+    except CorruptLog as error:
+        raise UserError(f"the run folder {run_dir} is damaged: {error}", FOLDER_FIX) from None
+    if records and existing is not None and existing != _resolved(recipe):
+        raise UserError(f"{run_dir} holds a run of a different recipe (or other --set/--seed values)", FOLDER_FIX)
+    return {record["method"] for record in records if record["kind"] == "done"}
+
+
+def prepare_run_dir(recipe: Recipe, output: Path | None, overwrite: bool = False) -> Path:
+    """Create or reopen the run folder (checked by :func:`kept_methods`) and write ``recipe.yaml``;
+    ``overwrite`` first removes what an earlier run wrote there (:data:`RUN_OUTPUTS`, nothing else).
+    A log line cut short by a killed run is removed."""
+    run_dir = run_dir_of(recipe, output)
+    kept_methods(recipe, run_dir, overwrite)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        existing = recipe_file.read_text(encoding="utf-8") if recipe_file.exists() else None
+        if overwrite:
+            _remove_run_outputs(run_dir)
+        (run_dir / "recipe.yaml").write_text(_resolved(recipe), encoding="utf-8")
         log = MetricsLog(run_dir / "metrics.jsonl")
-        ran = bool(log.read())  # a folder where nothing ran yet (its inputs failed their checks) takes any recipe
-        if ran and existing is not None and existing != resolved:
-            raise UserError(f"{run_dir} holds a run of a different recipe (or other --set/--seed values)", fix)
-        recipe_file.write_text(resolved, encoding="utf-8")
         log.repair()
         log.path.touch()
     except (OSError, UnicodeDecodeError) as error:
-        reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
-        name = getattr(error, "filename", None) or run_dir
-        raise UserError(f"cannot use the run folder {run_dir}: {name}: {reason}", fix) from None
-    except CorruptLog as error:
-        raise UserError(f"the run folder {run_dir} is damaged: {error}", fix) from None
+        raise _unusable(run_dir, error) from None
     return run_dir
+
+
+# What a run writes into its folder: what --overwrite removes (the .lock is the overwriting run's own).
+RUN_OUTPUTS = ("recipe.yaml", "metrics.jsonl", "metrics.jsonl.tmp", "summary.json", "report.md", ".jobs.json",
+               "plots", "checkpoints", "device_state", "flwr-*.log")
+
+
+def _remove_run_outputs(run_dir: Path) -> None:
+    """Remove the files and folders of :data:`RUN_OUTPUTS` from ``run_dir``: a link as a link, never followed."""
+    for path in run_dir.iterdir():
+        if not any(fnmatch(path.name, pattern) for pattern in RUN_OUTPUTS):
+            continue
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+
+
+def _resolved(recipe: Recipe) -> str:
+    """The recipe as ``recipe.yaml`` holds it: every default filled in."""
+    return yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False)
+
+
+def _unusable(run_dir: Path, error: OSError | UnicodeDecodeError) -> UserError:
+    reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
+    name = getattr(error, "filename", None) or run_dir
+    return UserError(f"cannot use the run folder {run_dir}: {name}: {reason}", FOLDER_FIX)
 
 
 def start_method(recipe: Recipe, run_dir: Path, method: str) -> None:
@@ -82,6 +133,7 @@ def finish_report(recipe: Recipe, run_dir: Path) -> RunResult:
     summary = summarize(records, names, recipe.user_names, recipe.metric, eval_split(recipe))
     failed = {r["method"]: r["message"] for r in records if r.get("kind") == "error" and r["method"] not in finished}
     plots = [p for p in (plot_rounds(records, names, run_dir / "plots" / "rounds.png"),
+                         plot_loss_curves(records, names, run_dir / "plots" / "loss_curves.png"),
                          plot_communication(records, names, run_dir / "plots" / "communication.png")) if p]
     for method in methods:
         if method.procedure.routers != "none":  # only learned routers have scores worth a plot

@@ -8,6 +8,8 @@ from collections.abc import Callable
 
 import torch
 
+from ondevice_moe.example_loss import Examples
+
 Batch = dict[str, torch.Tensor]
 
 
@@ -25,12 +27,13 @@ def epoch_sampler(examples, batch_size: int, seed: int) -> tuple[Callable[[int],
     return sample, per_epoch
 
 
-def batch_sampler(blocks: torch.Tensor, batch_size: int, seed: int, stream: str) -> Callable[[int], Batch]:
-    """``sample(i)``: a batch of random blocks, the same for the same ``(seed, stream, i)``."""
+def batch_sampler(examples: Examples, batch_size: int, seed: int, stream: str) -> Callable[[int], Batch]:
+    """``sample(i)``: a batch of examples (a language model's blocks) drawn at random with replacement,
+    the same for the same ``(seed, stream, i)``."""
 
     def sample(index: int) -> Batch:
         generator = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{stream}:{index}".encode()))
-        rows = torch.randint(0, blocks.shape[0], (batch_size,), generator=generator)
-        return {"input_ids": blocks[rows], "labels": blocks[rows]}
+        rows = torch.randint(0, len(examples), (batch_size,), generator=generator)
+        return examples.batch(rows)
 
     return sample

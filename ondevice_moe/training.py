@@ -150,12 +150,14 @@ class DeviceTrainer:
 
     # -- steps ------------------------------------------------------------
     def train_iterations(self, iterations: int, train_batches: BatchSource, router_batches: BatchSource
-                         ) -> dict[str, float]:
+                         ) -> dict[str, float | list[float]]:
         """Run ``iterations`` expert steps, with router phases every τ iterations.
 
         ``train_batches(i)`` and ``router_batches(i)`` return the batch for global
         iteration/step ``i``; the router batches come from the validation split
-        (or fresh training batches in the ``-tr`` ablation).
+        (or fresh training batches in the ``-tr`` ablation). Returns the mean ``train_loss``,
+        each step's loss (``step_losses``: steps ``iteration - len + 1`` to ``iteration``), the
+        router phases' mean ``router_loss``, FLoRAL's ``pi_<c>`` and each expert's mean score per layer.
         """
         losses, router_losses = [], []
         score_sums = [torch.zeros(len(m.expert_names)) for m in routing_sites(self.model)]
@@ -168,7 +170,8 @@ class DeviceTrainer:
                 for step in range(self.config.router_steps):
                     router_index = (self.iteration // self.config.router_period) * self.config.router_steps + step
                     router_losses.append(self.router_step(router_batches(router_index)))
-        metrics = {"train_loss": sum(losses) / max(len(losses), 1), "iteration": float(self.iteration)}
+        metrics: dict[str, float | list[float]] = {
+            "train_loss": sum(losses) / max(len(losses), 1), "step_losses": losses, "iteration": float(self.iteration)}
         if router_losses:
             metrics["router_loss"] = sum(router_losses) / len(router_losses)
         for index, weight in enumerate(client_mixture(self.model) or []):

@@ -72,10 +72,10 @@ def test_a_label_column_among_the_text_columns_is_refused(tmp_path):
 def test_a_null_or_numeric_text_is_refused_not_read_as_words(tmp_path):
     lines = tmp_path / "texts.jsonl"
     lines.write_text('{"text": "fine"}\n{"text": null}\n')
-    with pytest.raises(UserError, match=r"texts.jsonl:2: 'text' is null, not text"):
+    with pytest.raises(UserError, match=r"texts.jsonl, row 2: 'text' is null, not text"):
         list(documents("jsonl", {"path": str(lines)}))
     lines.write_text('{"text": 7}\n')
-    with pytest.raises(UserError, match="is number, not text"):
+    with pytest.raises(UserError, match="is a number, not text"):
         list(documents("jsonl", {"path": str(lines)}))
 
 

@@ -82,6 +82,28 @@ def test_the_scaffold_refuses_a_taken_folder_and_a_bad_name(tmp_path):
         scaffold("../up", tmp_path)
 
 
+def test_a_hyphenated_name_scaffolds_a_package_of_valid_python(tmp_path):
+    folder = scaffold("my-method", tmp_path)
+    assert folder.name == "my_method"
+    for file in folder.glob("*.py"):
+        compile(file.read_text(), str(file), "exec")  # a SyntaxError fails the test
+    assert "METHODS = {\"my-method\": SPEC}" in (folder / "__init__.py").read_text()
+
+
+def test_methods_list_shows_a_trusted_recipes_plugin_files(tmp_path):
+    from typer.testing import CliRunner
+
+    from ondevice_moe.cli import app
+
+    scaffold("fedprox", tmp_path)
+    recipe = _recipe_with_plugin(tmp_path, "fedprox", ["fedprox", "fed-ft"])
+    refused = CliRunner().invoke(app, ["methods", "list", "--recipe", str(recipe)], env={"COLUMNS": "300"})
+    assert refused.exit_code == 2 and "--trust-plugins" in refused.output
+    listed = CliRunner().invoke(app, ["methods", "list", "--recipe", str(recipe), "--trust-plugins"],
+                                env={"COLUMNS": "300"})
+    assert listed.exit_code == 0 and f"file {tmp_path / 'fedprox'}" in listed.output
+
+
 def test_the_scaffolded_procedure_passes_its_own_test(tmp_path, monkeypatch):
     folder = scaffold("fedprox", tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -110,12 +132,12 @@ def test_an_installed_packages_method_runs_through_flower_without_touching_the_p
                             capture_output=True, text=True, timeout=120).stdout
     assert "fedprox" in listed and "package fedprox-method" in listed
     raw = yaml.safe_load(TINY_DIGITS.read_text())
-    raw.update(methods=[{"name": "fedprox", "mu": 0.1}, "fed-ft"])
+    raw.update(methods=[{"name": "fedprox", "mu": 0.0}, {"name": "fedavg-adaptor", "preconditioning": False}])
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(yaml.safe_dump(raw))
     subprocess.run([sys.executable, "-m", "ondevice_moe", "finetune", str(recipe), "--output", str(tmp_path / "run")],
                    env=env, check=True, timeout=900)
-    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert {"fedprox", "fed-ft"} <= set(summary["methods"])
+    methods = json.loads((tmp_path / "run" / "summary.json").read_text())["methods"]
+    assert methods["fedprox"]["mean_score"] == methods["fedavg-adaptor"]["mean_score"], "at mu = 0 FedProx is FedAvg"
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert any(r.get("method") == "fedprox" and r.get("kind") == "done" for r in records)

@@ -11,6 +11,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+import yaml
 
 from ondevice_moe.data.classification import build_federated_task
 from ondevice_moe.data.partition import dirichlet_partition, dirichlet_proportions, label_bins, partition_by_proportions
@@ -32,7 +33,7 @@ from ondevice_moe.federation import device as dev
 from ondevice_moe.federation.job import Job
 from ondevice_moe.metrics import METRICS
 from ondevice_moe.models.tiny import byte_tokenizer
-from ondevice_moe.recipe import TaskSection, load_recipe
+from ondevice_moe.recipe import TaskSection, load_recipe, validate_recipe
 
 # ---------------------------------------------------------------- tasks
 
@@ -244,7 +245,7 @@ def test_task_section_reads_user_files_and_small_options(tmp_path):
         ({"name": "movies", "path": str(path)}, "needs `labels`"),
         ({"name": "sst2", "path": str(path), "labels": ["a", "b"]}, "registered task"),
         ({"name": "movies"}, "unknown task 'movies'"),
-        ({"name": "sst2", "labels": ["a", "b"]}, "only apply to your own labelled file"),
+        ({"name": "sst2", "labels": ["a", "b"]}, "only apply to your own labelled data"),
         ({"name": "sst2", "data_fraction": 0.5}, "only applies to the small tasks"),
         ({"name": "sst2", "clusters": 3}, "use 2 to 2 clusters"),
         ({"name": "stsb", "clusters": 2}, "cannot shift the labels"),
@@ -351,6 +352,30 @@ def test_bad_labelled_data_is_one_message(tmp_path):
     with pytest.raises(UserError, match=r"every row of the 2 client files has the label 'good'") as raised:
         load_client_tasks(one_class_clients, "train")
     assert "['bad']" in raised.value.fix
+
+
+def test_a_recipe_reads_one_file_per_client(tmp_path):
+    names = _client_files(tmp_path)
+    raw = yaml.safe_load((Path(__file__).parent / "recipes" / "tiny-classification.yaml").read_text())
+    task = {key: value for key, value in raw["task"].items() if key not in ("clients", "dirichlet_alpha")}
+    raw["task"] = {**task, "name": "movies", "path": str(tmp_path), "files": "client-*.csv",
+                   "text_columns": ["review"], "label_column": "verdict", "labels": ["bad", "good"]}
+    recipe = validate_recipe(raw)
+    assert (recipe.task.files, recipe.task.clients) == (names, 3)
+    assert recipe.user_names == ["client_0", "client_1", "client_2"]
+    assert recipe.task.spec() == _per_file_task(tmp_path, names)
+    federated = dev.federated_task(Job(recipe, 0, tmp_path))
+    for client, examples in enumerate(load_client_tasks(recipe.task.spec(), "train", 240, recipe.split_seed)):
+        assert torch.equal(federated.train[client].labels, torch.tensor(examples.labels, dtype=torch.long))
+    for changes, message in [
+        ({"clients": 4}, r"task.clients=4, but task.files names 3 files"),
+        ({"clients": 2}, r"task.clients=2, but task.files names 3 files"),
+        ({"files": "*.parquet"}, r"task.files '\*\.parquet' matches no file in"),
+        ({"dirichlet_alpha": 0.5}, r"dirichlet_alpha deals one data set over the clients"),
+        ({"path": None, "files": None}, r"unknown task 'movies'"),
+    ]:
+        with pytest.raises(UserError, match=message):
+            validate_recipe({**raw, "task": {**raw["task"], **changes}})
 
 
 # ---------------------------------------------------------------- partitions

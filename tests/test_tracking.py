@@ -5,6 +5,7 @@ with ``logging: {tensorboard: true, mlflow: true}``; the trackers are read back 
 readers (TensorBoard's ``EventAccumulator``, ``MlflowClient`` on the run folder's local store).
 """
 
+import json
 import os
 import shutil
 import subprocess
@@ -140,6 +141,22 @@ def test_a_resumed_method_replaces_its_earlier_attempt_in_both_trackers(tracked_
     assert _mlflow_curves(client, runs[0].info.run_id, list(expected)) == expected
     _, deleted = _mlflow_runs(moved, ViewType.DELETED_ONLY)
     assert sorted(run.info.status for run in deleted) == ["FAILED", "FINISHED"]  # the cut-short one, the first
+
+
+def test_an_earlier_run_the_store_no_longer_holds_is_not_in_the_way_and_settings_become_params(tracked_run, tmp_path):
+    moved = shutil.copytree(tracked_run[0], tmp_path / "moved")
+    (moved / "mlflow_runs.json").write_text(json.dumps({METHOD: "0" * 32}))  # e.g. deleted with `mlflow gc`
+    settings = {"seed": 7, "description": "x" * 7000, "training": {"betas": [0.9, 0.95]},
+                "methods": [{"name": METHOD}]}
+    with tracked_log(moved / "metrics.jsonl", LoggingSection(mlflow=True), "tiny-digits", METHOD,
+                     settings) as tracked:
+        tracked.write(_records(moved)[0])
+    _, runs = _mlflow_runs(moved)  # newest first
+    assert sorted(run.info.status for run in runs) == ["FINISHED", "FINISHED"]  # the first run's, and this one
+    assert json.loads((moved / "mlflow_runs.json").read_text())[METHOD] == runs[0].info.run_id  # the newest
+    # Scalars and lists of scalars as parameters; a text over MLflow's 6,000 characters and the method entries
+    # only in recipe.yaml.
+    assert runs[0].data.params == {"seed": "7", "training.betas": "[0.9, 0.95]"}
 
 
 def test_the_report_draws_the_loss_curves(tracked_run):

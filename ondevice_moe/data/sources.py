@@ -2,9 +2,12 @@
 
 Offline sources ship with pip packages (see ``../shared/ASSETS.md``):
 ``python-code`` (the standard library's own modules), ``bbc-news``,
-``rotten-tomatoes`` and ``political-speeches``. ``text-folder`` and ``jsonl``
-read local files. ``hf`` streams a Hugging Face dataset for online users
-(SlimPajama categories, multilingual Wikipedia, AG News topics, ...).
+``rotten-tomatoes`` and ``political-speeches``. ``files`` reads the user's own
+data through ``datasets`` (CSV, TSV, JSON lines, Parquet, text files, a folder
+written by ``save_to_disk``; :mod:`ondevice_moe.data.local_files`); ``text-folder``,
+``jsonl`` and ``saved-dataset`` are the same reader held to one format. ``hf``
+streams a Hugging Face dataset for online users (SlimPajama categories,
+multilingual Wikipedia, AG News topics, ...).
 
 Every source yields documents (strings) in a fixed order; shuffling and
 splitting happen in :mod:`ondevice_moe.data.splits`.
@@ -17,9 +20,11 @@ import csv
 import importlib.util
 import json
 import sysconfig
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from ondevice_moe.data.instruction import headlines_of, instruction_file, python_docstrings
+from ondevice_moe.data.local_files import SAVED, DataFiles, find_data, is_saved_dataset, read_columns
 from ondevice_moe.errors import UserError
 
 Documents = Iterator[str]
@@ -73,69 +78,33 @@ def political_speeches(**_: object) -> Documents:
         yield from party["speeches"]
 
 
+def files(path: str | None = None, text_field: str = "text", split: str = "train", **_: object) -> Documents:
+    """One document per row of the user's own data, read through ``datasets``: ``path`` is a CSV, TSV,
+    JSON (lines) or Parquet file, a glob or a folder of them, ``text_field`` their column; a text file
+    is one document; a folder written by ``save_to_disk`` gives its rows (``split`` picks a
+    ``DatasetDict``'s split)."""
+    yield from _texts(find_data(path, "a `files` source"), text_field, split)
+
+
 def text_folder(path: str | None = None, **_: object) -> Documents:
-    """Every ``.txt`` / ``.md`` file under a folder, one document per file."""
-    root = _existing_path(path, "text-folder")
-    files = sorted(p for p in root.rglob("*") if p.suffix in {".txt", ".md"} and p.is_file())
-    if not files:
-        raise UserError(f"text folder {root} holds no .txt or .md files", "point `path` at a folder of text files")
-    for file in files:
-        yield _read_text(file)
+    """Every ``.txt`` / ``.md`` file under a folder (other files left out), one document per file."""
+    yield from _texts(find_data(path, "a `text-folder` source", {"text"}), "text")
 
 
 def jsonl(path: str | None = None, text_field: str = "text", **_: object) -> Documents:
-    """One document per line of a JSON-lines file, from ``text_field``."""
-    file = _existing_path(path, "jsonl")
-    for number, record in jsonl_objects(_read_text(file).splitlines(), file, f'{{"{text_field}": "..."}}'):
-        if text_field not in record:
-            raise UserError(f"{file}:{number} has no field '{text_field}'",
-                            "set `text_field` to the field holding the text")
-        if not isinstance(record[text_field], str):
-            raise UserError(f"{file}:{number}: '{text_field}' is {_JSON_KINDS[type(record[text_field])]}, not text",
-                            "give every line a string in that field, or drop the line")
-        yield record[text_field]
+    """One document per line of a JSON-lines file (whatever its extension), from ``text_field``."""
+    yield from _texts(find_data(path, "a `jsonl` source", {"json"}), text_field)
 
 
-def jsonl_objects(lines: Iterable[str], file: Path, example: str = "{...}") -> Iterator[tuple[int, dict]]:
-    """``(line number, object)`` of each non-blank line; a line that is not a JSON object is a UserError."""
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise UserError(f"{file}:{number} is not valid JSON ({error.msg})",
-                            "write one JSON object per line") from None
-        if not isinstance(record, dict):
-            raise UserError(f"{file}:{number} is a JSON {_JSON_KINDS[type(record)]}, not an object",
-                            f"write one JSON object per line, e.g. {example}")
-        yield number, record
+def saved_dataset(path: str | None = None, text_field: str = "text", split: str = "train", **_: object) -> Documents:
+    """One document per row of a folder written by ``save_to_disk`` (a ``Dataset``, or the split
+    ``split`` of a ``DatasetDict``), from ``text_field``."""
+    yield from _texts(find_data(path, "a `saved-dataset` source", {SAVED}), text_field, split)
 
 
-_JSON_KINDS = {list: "array", str: "string", int: "number", float: "number", bool: "boolean", type(None): "null"}
-
-
-def saved_dataset(path: str | None = None, text_field: str = "text", **_: object) -> Documents:
-    """One document per row of a dataset saved with ``datasets``' ``save_to_disk`` (a
-    ``Dataset``, or the ``train`` split of a ``DatasetDict``), from ``text_field``."""
-    from datasets import DatasetDict, load_from_disk
-
-    folder = _existing_path(path, "saved-dataset")
-    try:
-        dataset = load_from_disk(str(folder))
-    except (FileNotFoundError, ValueError, OSError) as error:
-        raise UserError(f"{folder} is not a dataset saved by `datasets` ({error})",
-                        "save it with Dataset.save_to_disk, or use a text folder or a .jsonl file") from None
-    if isinstance(dataset, DatasetDict):
-        if "train" not in dataset:
-            raise UserError(f"the saved dataset {folder} has no 'train' split (it has {list(dataset)})",
-                            "save the split to train on as 'train'")
-        dataset = dataset["train"]
-    if text_field not in dataset.column_names:
-        raise UserError(f"the saved dataset {folder} has no column '{text_field}' (it has {dataset.column_names})",
-                        "set `text_field` to the column holding the text")
-    for row in dataset:
-        yield str(row[text_field])
+def _texts(data: DataFiles, text_field: str, split: str = "train") -> Documents:
+    yield from read_columns(data, [text_field], column_fix="set `text_field` to the column holding the text",
+                            split=split)[text_field]
 
 
 def device(**_: object) -> Documents:
@@ -144,15 +113,14 @@ def device(**_: object) -> Documents:
     raise UserError("a user entry has `source: device`, the data a device brings through its --node-config "
                     "data-path; that runs on Flower SuperNodes, not in the local simulation",
                     "run it with `ondevice-moe finetune RECIPE --federation NAME` (docs/deployment.md), or "
-                    "give the user a source on this machine (text-folder, jsonl, saved-dataset)")
+                    "give the user a source on this machine (files, text-folder, jsonl, saved-dataset)")
 
 
 def device_source_kind(path: Path) -> str:
     """The source that reads a device's ``data-path``: a folder saved by ``datasets``, a folder of
     text files, or a ``.jsonl`` file."""
     if path.is_dir():
-        saved = (path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file()
-        return "saved-dataset" if saved else "text-folder"
+        return "saved-dataset" if is_saved_dataset(path) else "text-folder"
     if path.suffix == ".jsonl" and path.is_file():
         return "jsonl"
     if not path.exists():
@@ -179,7 +147,7 @@ def hugging_face(
     stream = load_hub_dataset(
         f"Hugging Face dataset '{dataset}'",
         "check the name and your network; offline machines can use the pip-only sources "
-        f"({', '.join(OFFLINE_SOURCES)}) or `text-folder`/`jsonl`",
+        f"({', '.join(OFFLINE_SOURCES)}) or their own `files`",
         dataset, config, split=split, streaming=True,
     )
     for record in stream:
@@ -205,24 +173,6 @@ def _dotted(record: dict, key: str) -> object:
     return value
 
 
-def _existing_path(path: str | None, source: str) -> Path:
-    if not path:
-        raise UserError(f"a `{source}` source needs `path`", "set `path` to a file or folder on this machine")
-    resolved = Path(path).expanduser()
-    if not resolved.exists():
-        raise UserError(f"{source} path {resolved} does not exist", "check the path in the recipe")
-    if not (resolved.is_file() or resolved.is_dir()):  # a FIFO, socket or device would block or never end
-        raise UserError(f"{source} path {resolved} is not a regular file or folder", "point it at your data file")
-    return resolved
-
-
-def _read_text(file: Path) -> str:
-    try:
-        return file.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as error:
-        raise UserError(f"cannot read {file} ({error})", "make it a readable UTF-8 text file") from None
-
-
 def _check_categories(source: str, categories: list[str] | None, valid: list[str]) -> None:
     unknown = sorted(set(categories or []) - set(valid))
     if unknown:
@@ -234,11 +184,15 @@ SOURCES: dict[str, Callable[..., Documents]] = {
     "bbc-news": bbc_news,
     "rotten-tomatoes": rotten_tomatoes,
     "political-speeches": political_speeches,
+    "files": files,
     "text-folder": text_folder,
     "jsonl": jsonl,
     "saved-dataset": saved_dataset,
     "hf": hugging_face,
     "device": device,
+    "python-docstrings": python_docstrings,
+    "bbc-headlines": headlines_of(bbc_news),
+    "instruction-file": instruction_file,
 }
 OFFLINE_SOURCES = ("python-code", "bbc-news", "rotten-tomatoes", "political-speeches")
 

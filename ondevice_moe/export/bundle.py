@@ -15,6 +15,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from ondevice_moe.destination import check_folder_destination
 from ondevice_moe.errors import UserError
 from ondevice_moe.export.base_model import base_model_of
 from ondevice_moe.export.experts import model_parts, select_parts
@@ -52,6 +53,7 @@ def export_user(run_dir: Path, method: str, user: str, to: Path, experts: list[s
     server's) in place of the user's shared tensors — for a new user, the centre that fits it
     (FedSoft §5). Bad input is a :class:`UserError` before anything is written.
     """
+    check_folder_destination(Path(to), "--to")  # before the model loads
     if fmt not in FORMATS:
         raise UserError(f"unknown format '{fmt}'", f"use one of: {', '.join(FORMATS)}")
     if push_to is not None:

@@ -15,10 +15,11 @@ import torch
 from flwr.app import ArrayRecord, RecordDict
 from torch import nn
 
+from ondevice_moe.data.blocks import BlockExamples
 from ondevice_moe.data.classification import FederatedTask, build_federated_task
 from ondevice_moe.data.small import SmallFederatedTask, build_small_task
 from ondevice_moe.data.sources import device_source_kind
-from ondevice_moe.data.splits import BlockExamples, SourceSpec, UserData, build_user_data
+from ondevice_moe.data.splits import SourceSpec, UserData, build_user_data
 from ondevice_moe.errors import UserError
 from ondevice_moe.federation import device_state
 from ondevice_moe.federation.job import Job
@@ -112,10 +113,15 @@ def _source_on_this_machine(job: Job, user: int, source: SourceSection) -> Sourc
     return SourceSpec(device_source_kind(node.data_path), options, source.weight)
 
 
-_SOURCES: dict[str, list[tuple[str, torch.Tensor]]] = {}
+_SOURCES: dict[str, list[tuple[str, BlockExamples]]] = {}
 
 
 def source_test_blocks(job: Job) -> list[tuple[str, torch.Tensor]]:
+    """The token ids of :func:`source_test_examples`."""
+    return [(name, examples.blocks) for name, examples in source_test_examples(job)]
+
+
+def source_test_examples(job: Job) -> list[tuple[str, BlockExamples]]:
     """Each distinct source of the users' text alone, with test blocks of its own (``data.test_tokens``,
     cut to ``data.max_eval_blocks``): where FedSoft's centres are scored one source at a time
     (Tables 1, 3) when the users hold mixtures. Drawn with seeds of their own, so a document
@@ -133,8 +139,8 @@ def source_test_blocks(job: Job) -> list[tuple[str, torch.Tensor]]:
             built = build_user_data(source.source, [SourceSpec(source.source, source.options(), 1.0)],
                                     job_base_model(job).tokenizer, budgets, data.context_length,
                                     job.recipe.split_seed + 104729 * (index + 1))
-            tests.append((source.source, built.test if data.max_eval_blocks is None
-                          else built.test[: data.max_eval_blocks]))
+            test = built.examples("test")
+            tests.append((source.source, test if data.max_eval_blocks is None else test[: data.max_eval_blocks]))
         _SOURCES[key] = tests
     return _SOURCES[key]
 
@@ -149,11 +155,17 @@ def domain_users(job: Job) -> range:
     return range(len(job.recipe.data.users))
 
 
+def device_examples(job: Job, device: int, split: str) -> BlockExamples:
+    """The blocks of ``split`` of the users a device holds, with their labels."""
+    return BlockExamples.concatenate([user_data(job, u).examples(split) for u in users_of_device(job, device)])
+
+
 def device_split(job: Job, device: int, split: str) -> torch.Tensor:
-    return torch.cat([user_data(job, u).split(split) for u in users_of_device(job, device)])
+    """The token ids of :func:`device_examples`."""
+    return device_examples(job, device, split).blocks
 
 
-def router_blocks(job: Job, device: int) -> torch.Tensor:
+def router_blocks(job: Job, device: int) -> BlockExamples:
     """The blocks a device's routers learn on (CoMiGS eq. 4).
 
     The validation split "reflects the target distribution" (§2.1): the
@@ -164,16 +176,21 @@ def router_blocks(job: Job, device: int) -> torch.Tensor:
     """
     split = job.method.procedure.router_data
     if split == "valid" and job.recipe.data.router_validation == "union":
-        return torch.cat([user_data(job, user).valid for user in domain_users(job)])
-    return device_split(job, device, split)
+        return BlockExamples.concatenate([user_data(job, user).examples("valid") for user in domain_users(job)])
+    return device_examples(job, device, split)
+
+
+def eval_examples(job: Job, user: int) -> BlockExamples:
+    """The blocks a user's perplexities are scored on: its ``data.eval_split`` (the test split,
+    or the validation split for choosing a learning rate), cut to ``data.max_eval_blocks``."""
+    examples = user_data(job, user).examples(job.recipe.data.eval_split)
+    cap = job.recipe.data.max_eval_blocks
+    return examples if cap is None else examples[:cap]
 
 
 def eval_blocks(job: Job, user: int) -> torch.Tensor:
-    """The blocks a user's perplexities are scored on: its ``data.eval_split`` (the test split,
-    or the validation split for choosing a learning rate), cut to ``data.max_eval_blocks``."""
-    blocks = user_data(job, user).split(job.recipe.data.eval_split)
-    cap = job.recipe.data.max_eval_blocks
-    return blocks if cap is None else blocks[:cap]
+    """The token ids of :func:`eval_examples`."""
+    return eval_examples(job, user).blocks
 
 
 def build_model(job: Job, device: int, base: nn.Module | None = None, seed: int | None = None) -> nn.Module:
@@ -464,14 +481,14 @@ def train_steps(job: Job, device: int, trainer: DeviceTrainer, seed: int) -> tup
     epochs of its examples (the trainer's iteration count runs on across rounds, and so do the epochs)."""
     if job.recipe.is_language_modelling:
         batch = _language_model_batch(job, device)
-        train_blocks = device_split(job, device, "train")
+        train_blocks = device_examples(job, device, "train")
         router_split = job.method.procedure.router_data
         metrics = trainer.train_iterations(
             job.recipe.federation.local_iterations,
             batch_sampler(train_blocks, batch, seed, "train"),
             batch_sampler(router_blocks(job, device), batch, seed, f"router-{router_split}"),
         )
-        return metrics, int(train_blocks.shape[0])
+        return metrics, len(train_blocks)
     examples = federated_task(job).train[device]
     sampler, per_epoch = epoch_sampler(examples, job.recipe.task.batch_size, seed)
     metrics = trainer.train_iterations(_local_steps(job, per_epoch), sampler, sampler)
@@ -531,7 +548,7 @@ class JobDevice:
 
     def training_examples(self) -> Any:
         if self.is_language_modelling:
-            return BlockExamples(self.blocks("train"))
+            return device_examples(self.job, self.index, "train")
         return federated_task(self.job).train[self.index]
 
     def test_examples(self) -> Any:

@@ -14,9 +14,10 @@ import torch
 from flwr.app import RecordDict
 from torch import nn
 
+from ondevice_moe.data.blocks import BlockExamples
 from ondevice_moe.federation import device as dev
 from ondevice_moe.federation.job import Job
-from ondevice_moe.likelihood import block_nll, nll_standard_error, perplexity_of
+from ondevice_moe.likelihood import BlockLosses, score_blocks
 from ondevice_moe.metrics import LOWER_IS_BETTER, task_score
 from ondevice_moe.training import predict
 
@@ -30,7 +31,7 @@ class TestedDevice(dev.JobDevice):
 
     def test_on(self, model: nn.Module, examples: Any) -> float:
         if self.is_language_modelling:
-            return perplexity_of(block_nll(model, examples, self.eval_batch_size), examples.shape[1])
+            return score_blocks(model, examples, self.eval_batch_size).perplexity()
         task = dev.federated_task(self.job).task
         predictions = predict(model, examples, self.eval_batch_size, task.is_regression)
         return reported(task.metric, task_score(task.metric, predictions.numpy(), examples.labels.numpy()))
@@ -42,7 +43,7 @@ class TestedDevice(dev.JobDevice):
         if self.job.on_device and recipe.data is not None and recipe.data.brought_by_devices:
             return None
         if self.is_language_modelling:
-            return [blocks for _, blocks in dev.source_test_blocks(self.job)]
+            return [examples for _, examples in dev.source_test_examples(self.job)]
         return list(dev.federated_task(self.job).cluster_test)
 
 
@@ -72,45 +73,43 @@ def user_values(metrics: dict[str, float], user: int) -> dict[str, float]:
     return {key.removeprefix(prefix): value for key, value in metrics.items() if key.startswith(prefix)}
 
 
-def union_test_nll(job: Job, model: nn.Module) -> tuple[torch.Tensor, list[int], int]:
-    """Summed NLL of every block of the union of the users' test splits; user ``u``'s own
-    blocks are ``[offsets[u], offsets[u + 1])``; and the blocks' length. Under ``data.clients``
-    the union is of the domains' test splits, one device's each (:func:`.device.domain_users`)."""
-    per_user = [dev.eval_blocks(job, u) for u in dev.domain_users(job)]
-    union_nll = block_nll(model, torch.cat(per_user), job.recipe.data.eval_batch_size)
-    offsets = torch.tensor([0, *(b.shape[0] for b in per_user)]).cumsum(0).tolist()
-    return union_nll, offsets, per_user[0].shape[1]
+def union_test_losses(job: Job, model: nn.Module) -> tuple[BlockLosses, list[int]]:
+    """The losses of every block of the union of the users' test splits; user ``u``'s own
+    blocks are ``[offsets[u], offsets[u + 1])``. Under ``data.clients`` the union is of the
+    domains' test splits, one device's each (:func:`.device.domain_users`)."""
+    per_user = [dev.eval_examples(job, u) for u in dev.domain_users(job)]
+    union = score_blocks(model, BlockExamples.concatenate(per_user), job.recipe.data.eval_batch_size)
+    offsets = torch.tensor([0, *(len(examples) for examples in per_user)]).cumsum(0).tolist()
+    return union, offsets
 
 
 def _perplexities(job: Job, device: int, model: nn.Module) -> dict[str, float]:
     batch = job.recipe.data.eval_batch_size
     if job.on_device:  # a real device holds its own data only: no out-of-distribution figure
-        own = block_nll(model, dev.eval_blocks(job, device), batch)
-        return {"num-examples": int(own.numel()),
-                **_user_perplexities(device, own, None, job.recipe.data.context_length)}
-    union_nll, offsets, context_length = union_test_nll(job, model)
-    metrics: dict[str, float] = {"num-examples": int(union_nll.numel())}
+        own = score_blocks(model, dev.eval_examples(job, device), batch)
+        return {"num-examples": len(own), **_user_perplexities(device, own, None)}
+    union, offsets = union_test_losses(job, model)
+    metrics: dict[str, float] = {"num-examples": len(union)}
     for user in dev.users_of_device(job, device):
         if user in dev.domain_users(job):
-            own = union_nll[offsets[user] : offsets[user + 1]]
+            own = union[offsets[user] : offsets[user + 1]]
         else:  # a further device of a domain (data.clients) is tested on its own sample of it
-            own = block_nll(model, dev.eval_blocks(job, user), batch)
-        metrics |= _user_perplexities(user, own, union_nll, context_length)
+            own = score_blocks(model, dev.eval_examples(job, user), batch)
+        metrics |= _user_perplexities(user, own, union)
     return metrics
 
 
-def _user_perplexities(user: int, own: torch.Tensor, union: torch.Tensor | None, context_length: int
-                       ) -> dict[str, float]:
+def _user_perplexities(user: int, own: BlockLosses, union: BlockLosses | None) -> dict[str, float]:
     """A user's ``test_ppl_in`` on its own test blocks, ``test_ppl_out`` on the union of every
     user's (when this machine holds them), and their standard errors."""
     prefix = f"user_{user}/"
-    metrics = {prefix + "test_ppl_in": perplexity_of(own, context_length)}
+    metrics = {prefix + "test_ppl_in": own.perplexity()}
     tested = [("in", own)]
     if union is not None:
-        metrics[prefix + "test_ppl_out"] = perplexity_of(union, context_length)
+        metrics[prefix + "test_ppl_out"] = union.perplexity()
         tested.append(("out", union))
-    for side, blocks in tested:
-        error = nll_standard_error(blocks, context_length)
+    for side, losses in tested:
+        error = losses.standard_error()
         if error is not None:
             metrics[f"{prefix}test_nll_se_{side}"] = error
     return metrics

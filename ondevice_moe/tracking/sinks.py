@@ -18,6 +18,7 @@ from ondevice_moe.tracking.scalars import Scalar
 
 MLFLOW_BATCH = 1000  # MLflow's most metrics per log_batch call
 MLFLOW_PARAMS_BATCH = 100  # ... and most parameters
+MLFLOW_PARAM_LENGTH = 6000  # MLflow's longest parameter value
 METHOD_TAG = "ondevice_moe.method"
 FOLDER_TAG = "ondevice_moe.run_folder"
 MLFLOW_RUNS = "mlflow_runs.json"  # in the run folder: method → its MLflow run id
@@ -60,16 +61,9 @@ class MlflowSink:
     def __init__(self, uri: str, experiment: str, run: str, run_folder: Path, settings: Mapping[str, Any],
                  artifacts: str | None) -> None:
         from mlflow import MlflowClient
-        from mlflow.entities import Param
 
         self.client = MlflowClient(tracking_uri=uri)
-        found = self.client.get_experiment_by_name(experiment)
-        if found is None:
-            experiment_id = self.client.create_experiment(experiment, artifact_location=artifacts)
-        else:
-            experiment_id = found.experiment_id
-            if found.lifecycle_stage == "deleted":
-                self.client.restore_experiment(experiment_id)
+        experiment_id = self._experiment(experiment, artifacts)
         ledger = run_folder / MLFLOW_RUNS
         runs = json.loads(ledger.read_text(encoding="utf-8")) if ledger.is_file() else {}
         if run in runs:
@@ -77,10 +71,26 @@ class MlflowSink:
         self.run_id = self.client.create_run(experiment_id, run_name=run, tags={
             METHOD_TAG: run, FOLDER_TAG: str(run_folder.resolve())}).info.run_id
         ledger.write_text(json.dumps({**runs, run: self.run_id}, indent=2), encoding="utf-8")
-        params = [Param(key, value) for key, value in flat_settings(settings).items()]
+        self._describe(settings, run_folder / "recipe.yaml")
+
+    def _experiment(self, name: str, artifacts: str | None) -> str:
+        """The id of the experiment called ``name``: made if new, restored if deleted."""
+        found = self.client.get_experiment_by_name(name)
+        if found is None:
+            return self.client.create_experiment(name, artifact_location=artifacts)
+        if found.lifecycle_stage == "deleted":
+            self.client.restore_experiment(found.experiment_id)
+        return found.experiment_id
+
+    def _describe(self, settings: Mapping[str, Any], recipe: Path) -> None:
+        """The settings' scalars as the run's parameters (a text too long for MLflow, say a long description,
+        only in the artifact), the recipe file as its artifact."""
+        from mlflow.entities import Param
+
+        params = [Param(key, value) for key, value in flat_settings(settings).items()
+                  if len(value) <= MLFLOW_PARAM_LENGTH]
         for start in range(0, len(params), MLFLOW_PARAMS_BATCH):
             self.client.log_batch(self.run_id, params=params[start : start + MLFLOW_PARAMS_BATCH])
-        recipe = run_folder / "recipe.yaml"
         if recipe.is_file():
             self.client.log_artifact(self.run_id, str(recipe))
 
