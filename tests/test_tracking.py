@@ -23,6 +23,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from ondevice_moe.errors import UserError
 from ondevice_moe.recipe import validate_recipe
 from ondevice_moe.report import MetricsLog
+from ondevice_moe.run_folder import prepare_run_dir
 from ondevice_moe.tracking import LoggingSection, tracked_log
 from ondevice_moe.tracking.progress import ProgressLines
 from ondevice_moe.tracking.scalars import Scalar, scalars
@@ -157,6 +158,14 @@ def test_an_earlier_run_the_store_no_longer_holds_is_not_in_the_way_and_settings
     # Scalars and lists of scalars as parameters; a text over MLflow's 6,000 characters and the method entries
     # only in recipe.yaml.
     assert runs[0].data.params == {"seed": "7", "training.betas": "[0.9, 0.95]"}
+
+
+def test_overwrite_removes_what_the_trackers_wrote_into_the_run_folder(tracked_run, tmp_path):
+    moved = shutil.copytree(tracked_run[0], tmp_path / "moved")
+    written = ["tensorboard", "mlflow.db", "mlartifacts", "mlflow_runs.json"]
+    assert all((moved / name).exists() for name in written)
+    prepare_run_dir(validate_recipe(yaml.safe_load((moved / "recipe.yaml").read_text())), moved, overwrite=True)
+    assert not [name for name in written if (moved / name).exists()]
 
 
 def test_the_report_draws_the_loss_curves(tracked_run):
