@@ -22,6 +22,7 @@ import ast
 import sysconfig
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 from ondevice_moe.data.local_files import find_data, read_columns
@@ -65,13 +66,20 @@ Instructions = Iterator[Instruction]
 def python_docstrings(**_: object) -> Instructions:
     """Each documented function and method of the standard library's top-level modules, sorted by
     module: its signature as the prompt, its docstring as the response."""
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    for path in sorted(stdlib.glob("*.py")):
+    yield from _stdlib_docstrings()
+
+
+@cache
+def _stdlib_docstrings() -> tuple[Instruction, ...]:
+    """:func:`python_docstrings`, parsed once per process (about a second of CPU)."""
+    found: list[Instruction] = []
+    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
         try:
             module = ast.parse(path.read_text(encoding="utf-8", errors="replace"))
         except SyntaxError:  # a module written for another Python version
             continue
-        yield from _documented_functions(module.body, path.stem)
+        found.extend(_documented_functions(module.body, path.stem))
+    return tuple(found)
 
 
 def _documented_functions(body: list[ast.stmt], prefix: str) -> Instructions:
