@@ -260,6 +260,9 @@ def test_secaggplus_aggregate_equals_plain_aggregation_within_a_quantization_ste
     assert drop["device"] == 2 and "SecAgg+" in drop["reason"]
     assert _records(runs["secaggplus"], "privacy")[0]["update_norms"] == \
         _records(runs["none"], "privacy")[0]["update_norms"]
+    steps = {r["user"]: r["step_losses"] for r in _records(runs["secaggplus"], "train")}
+    assert steps == {r["user"]: r["step_losses"] for r in _records(runs["none"], "train")}, \
+        "a device's list-valued metrics cross SecAgg+'s scalar-only FitRes intact"
 
 
 def test_a_real_devices_noise_is_seeded_by_its_own_secret_and_a_simulations_by_the_recipe():

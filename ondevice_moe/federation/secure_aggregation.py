@@ -33,6 +33,7 @@ is not dropped: recipes with ``nan``/``wrong-shape`` faults are refused.
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -64,6 +65,7 @@ from ondevice_moe.recipe import FederationSection
 # newline-separated string each.
 SENT_KEY = "secaggplus-sent"  # the names of the tensors the server sent, in FitIns order
 UPLOAD_KEY = "secaggplus-upload"  # the names the device uploads, in the order they are summed
+LIST_PREFIX = "list:"  # a list-valued metric (a device's step losses) as JSON text: Flower's FitRes takes scalars only
 
 
 # -- server -------------------------------------------------------------------
@@ -182,12 +184,17 @@ def secure_round(grid: Grid, messages: dict[int, Message], reference: dict[str, 
     failures = [str(failure) for failure in relay.failures]
     if relay.results is None:
         return SecureRound(None, bytes_up=counting.bytes_up, failures=failures)
-    metrics = {proxy.node_id: {k: v for k, v in fitres.metrics.items() if k != "device"}
-               for proxy, fitres in relay.results}
+    metrics = {proxy.node_id: _unpack_lists(fitres.metrics) for proxy, fitres in relay.results}
     arrays = parameters_to_ndarrays(relay.results[0][1].parameters) if relay.results else []
     mean = {name: torch.from_numpy(np.asarray(array)).reshape(reference[name].shape).to(reference[name].dtype)
             for name, array in zip(names, arrays, strict=True)}
     return SecureRound(mean, metrics, counting.bytes_up, counting.masked_bytes, failures)
+
+
+def _unpack_lists(metrics: dict[str, Any]) -> dict[str, Any]:
+    """A device's FitRes metrics with its lists restored (:data:`LIST_PREFIX`), ``device`` left out."""
+    return {key.removeprefix(LIST_PREFIX): json.loads(value) if key.startswith(LIST_PREFIX) else value
+            for key, value in metrics.items() if key != "device"}
 
 
 # -- device -------------------------------------------------------------------
@@ -211,7 +218,9 @@ def secure_aggregation_mod(msg: Message, context: Context, call_next: ClientAppC
         reply = call_next(msg, context)
         if reply.has_error():
             raise RuntimeError(reply.error.reason)
-        metrics = dict(reply.content["metrics"])
+        metrics = {f"{LIST_PREFIX}{key}" if isinstance(value, list) else key:
+                   json.dumps(value) if isinstance(value, list) else value
+                   for key, value in reply.content["metrics"].items()}
         upload = reply.content["arrays"]
         weighting = job_from_context(context).recipe.federation.weighting
         weight = int(metrics["num-examples"]) if weighting == "num_examples" else 1
