@@ -34,7 +34,7 @@ test-fast: setup
 	$(BIN)/pytest -q tests
 
 lint: setup
-	$(BIN)/ruff check ondevice_moe tests benchmarks eval
+	$(BIN)/ruff check ondevice_moe tests benchmarks eval examples
 
 bench: setup
 	$(BIN)/python benchmarks/comigs_client.py --threads 1

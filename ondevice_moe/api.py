@@ -149,6 +149,7 @@ def finetune(
     on_method: Callable[[str, int, int], None] | None = None,
     on_round: Callable[[int, int, str], None] | None = None,
     trust_plugins: bool = False,
+    overwrite: bool = False,
 ) -> FinetuneResult:
     """Fine-tune every method of a recipe through Flower and write the report, as
     ``ondevice-moe finetune`` does.
@@ -156,7 +157,8 @@ def finetune(
     ``recipe``, ``overrides``, ``seed`` and ``trust_plugins`` are read as by :func:`load_recipe`
     (``overrides`` are the CLI's ``--set``). ``output``: the run folder (default ``runs/<recipe name>``);
     running the same recipe into a folder again resumes it, keeping the methods that
-    finished, and a folder of another recipe is refused. ``device``: ``auto``, ``cpu`` or
+    finished, and a folder of another recipe is refused unless ``overwrite`` (which also starts this
+    recipe's run over), as ``--overwrite`` does once the inputs check out. ``device``: ``auto``, ``cpu`` or
     ``cuda`` (the recipe's ``model.device``). ``federation``: run on real devices, through
     the SuperLink of this name in Flower's connection config (docs/deployment.md);
     default: Flower's simulation on this machine. ``on_method(name, index, count)`` is
@@ -177,7 +179,8 @@ def finetune(
     loaded = load_recipe(recipe, texts, seed, trust_plugins=trust_plugins)
     if federation is not None:
         _warn_if_insecure(federation)
-    result = run_recipe(loaded, Path(output) if output is not None else None, on_method, on_round, federation)
+    result = run_recipe(loaded, Path(output) if output is not None else None, on_method, on_round, federation,
+                        overwrite)
     return FinetuneResult(result.run_dir.resolve(), loaded, result.summary, result.report.resolve())
 
 

@@ -151,13 +151,19 @@ def test_finetune_hands_the_resolved_recipe_and_folder_to_the_runner(monkeypatch
 
     seen = {}
 
-    def run_recipe(recipe, output, on_method, on_round, federation):
-        seen.update(recipe=recipe, output=output, federation=federation, callbacks=(on_method, on_round))
+    def run_recipe(recipe, output, on_method, on_round, federation, overwrite):
+        seen.update(recipe=recipe, output=output, federation=federation, callbacks=(on_method, on_round),
+                    overwrite=overwrite)
         return RunResult(output, {"methods": {"fedavg": {}}}, output / "report.md")
 
     monkeypatch.setattr(runner, "run_recipe", run_recipe)
     monkeypatch.delenv("FLWR_TELEMETRY_ENABLED", raising=False)
     on_round = print
+    result = ondevice_moe.finetune(TINY, ["federation.rounds=4"], output=str(tmp_path / "run"), seed=7,
+                                   device="cpu", on_round=on_round)
+    assert seen["overwrite"] is False
+    ondevice_moe.finetune(TINY, output=str(tmp_path / "run"), overwrite=True)
+    assert seen["overwrite"] is True
     result = ondevice_moe.finetune(TINY, ["federation.rounds=4"], output=str(tmp_path / "run"), seed=7,
                                    device="cpu", on_round=on_round)
     recipe = seen["recipe"]
