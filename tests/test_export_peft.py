@@ -73,7 +73,8 @@ def _write(user_model: UserModel, selected: dict[str, Part], adapter: PeftAdapte
     ("tiny.yaml", ["model.name=tiny-llama", ONE_MLP_EXPERT]),
     ("tiny.yaml", ["methods=[fed-lora]"]),  # LoRA on the query and value projections, α/r
     ("tiny-classification.yaml", ["methods=[fed-lora]"]),  # BERT, with its head and pooler
-], ids=["gpt2-mlp", "llama-mlp", "gpt2-qv", "bert-classifier"])
+    ("tiny.yaml", ["methods=[{name: fedavg, single_adapter: true}]"]),  # one LoRA of rank 2r in the MLP
+], ids=["gpt2-mlp", "llama-mlp", "gpt2-qv", "bert-classifier", "fedavg-single-adapter"])
 def test_a_single_expert_in_peft_gives_the_toolkits_logits(tmp_path, recipe, overrides):
     user_model = _user_model(recipe, overrides, tmp_path)
     selected, [adapter] = _adapters(user_model)
@@ -232,6 +233,19 @@ def test_fedavg_exports_one_adapter_its_experts_merged_at_their_fixed_weights(tm
         torch.testing.assert_close(got, _outputs(user_model, merged_model(user_model.model, 0.5)),
                                    rtol=1e-5, atol=1e-5)
         assert (got - _outputs(user_model, user_model.model)).abs().max() > 1e-4
+
+
+def test_fedavgs_single_adapter_trains_as_many_parameters_as_its_two_modules(tmp_path):
+    two = _user_model("tiny.yaml", ["methods=[fedavg]"], tmp_path)
+    one = _user_model("tiny.yaml", ["methods=[{name: fedavg, single_adapter: true}]"], tmp_path)
+
+    def trained(user_model: UserModel) -> int:
+        return sum(p.numel() for p in user_model.model.parameters() if p.requires_grad)
+
+    assert one.job.method.name == "fedavg-single-adapter"
+    assert trained(one) == trained(two)
+    _, [adapter] = _adapters(one, "shared")
+    assert adapter.exact and not adapter.merged
 
 
 def test_auto_peft_model_loads_an_adapter_on_a_local_base_by_itself(tmp_path, saved_tiny_models):

@@ -17,6 +17,7 @@ from ondevice_moe.layout import ExpertSpec, lora_experts
 from ondevice_moe.methods.base import Method, MethodContext, Procedure, Sharing, same_for_all
 from ondevice_moe.methods.comigs.config import (
     FedAvgMoEOptions,
+    FedAvgOptions,
     HeterogeneousRankOptions,
     HetLoRAOptions,
     LoRASizes,
@@ -41,8 +42,19 @@ def local(options: LoRASizes, context: MethodContext) -> Method:
     return Method("local", same_for_all(context.num_users, layout))
 
 
-def fedavg(options: LoRASizes, context: MethodContext) -> Method:
-    """FedAvg (McMahan et al., 2017) of two LoRA modules."""
+def fedavg(options: FedAvgOptions, context: MethodContext) -> Method:
+    """FedAvg (McMahan et al., 2017) of two LoRA modules, or of one of twice the rank
+    (``single_adapter``, named ``fedavg-single-adapter``)."""
+    if options.single_adapter:
+        layout = lora_layout(options, (ExpertSpec("lora", "shared", rank=2 * options.lora_rank),), "uniform", "shared")
+        return Method("fedavg-single-adapter", same_for_all(context.num_users, layout),
+                      server_rule=ServerRule(context.weighting))
+    return _fedavg_of_two(options, context)
+
+
+def _fedavg_of_two(options: LoRASizes, context: MethodContext) -> Method:
+    """FedAvg of two LoRA modules at fixed weights ½: the paper's baseline, and the base of
+    FFA-LoRA, FedSA-LoRA and the centralized bound."""
     layout = lora_layout(options, SHARED_PAIR, "uniform", "shared")
     return Method("fedavg", same_for_all(context.num_users, layout), server_rule=ServerRule(context.weighting))
 
@@ -104,18 +116,18 @@ def fdlora(options: LoRASizes, context: MethodContext) -> Method:
 
 def ffa_lora(options: LoRASizes, context: MethodContext) -> Method:
     """FFA-LoRA (Sun et al., 2024): A frozen at its shared random init, B averaged."""
-    return replace(fedavg(options, context), name="ffa-lora", sharing=Sharing(frozen_matrices=frozenset({"lora_A"})))
+    return replace(_fedavg_of_two(options, context), name="ffa-lora", sharing=Sharing(frozen_matrices=frozenset({"lora_A"})))
 
 
 def fedsa_lora(options: LoRASizes, context: MethodContext) -> Method:
     """FedSA-LoRA (Guo et al., 2024): A averaged, B kept on the device."""
-    return replace(fedavg(options, context), name="fedsa-lora",
+    return replace(_fedavg_of_two(options, context), name="fedsa-lora",
                    sharing=Sharing(private_matrices=frozenset({"lora_B"})))
 
 
 def centralized(options: LoRASizes, context: MethodContext) -> Method:
     """Upper bound: one model trained on the pooled training data of all users."""
-    method = fedavg(options, replace(context, num_users=1))
+    method = _fedavg_of_two(options, replace(context, num_users=1))
     return replace(method, name="centralized", centralized=True)
 
 
