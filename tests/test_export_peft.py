@@ -196,8 +196,12 @@ def test_bases_are_named_by_their_hub_repository_or_folder(saved_tiny_models):
     gpt2 = base_model_of("gpt2")
     assert gpt2.hub_id == gpt2.name_or_path == "openai-community/gpt2" and gpt2.sha256 is None
     assert base_model_of("minilm-l6").hub_id == "sentence-transformers/all-MiniLM-L6-v2"
+    # an adapter inherits its base's licence: the Hub's, where the toolkit knows it; none it would guess
+    assert {name: base_model_of(name).license for name in ("smollm2-135m", "gpt2", "llama-3.2-1b", "minilm-l6")} \
+        == {"smollm2-135m": "apache-2.0", "gpt2": "mit", "llama-3.2-1b": "llama3.2", "minilm-l6": "apache-2.0"}
+    assert base_model_of("someone/their-model").license is None
     tiny = base_model_of("tiny-gpt2")
-    assert tiny.hub_id is None and tiny.name_or_path is None  # built in memory: no name loads it
+    assert tiny.hub_id is None and tiny.name_or_path is None and tiny.license is None  # built in memory
     folder = saved_tiny_models["tiny-llama"]
     local = base_model_of(str(folder))
     assert local.hub_id is None and local.name_or_path == str(folder.resolve())

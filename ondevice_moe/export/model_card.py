@@ -52,7 +52,7 @@ def card_data(user_model: UserModel, base: BaseModel, name: str, metrics: dict[s
     if base.sha256:
         weights["sha256"] = base.sha256
     return ModelCardData(
-        base_model=base.hub_id, license="apache-2.0", library_name="peft", pipeline_tag=task,
+        base_model=base.hub_id, license=base.license, library_name="peft", pipeline_tag=task,
         tags=["ondevice-moe", "federated-learning", "flower", "mixture-of-experts", "lora", user_model.job.method.name],
         model_name=name if results else None, eval_results=results or None,
         ondevice_moe={"method": user_model.job.method.name, "user": user_model.user, "device": user_model.device,

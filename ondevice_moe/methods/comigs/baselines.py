@@ -116,7 +116,8 @@ def fdlora(options: LoRASizes, context: MethodContext) -> Method:
 
 def ffa_lora(options: LoRASizes, context: MethodContext) -> Method:
     """FFA-LoRA (Sun et al., 2024): A frozen at its shared random init, B averaged."""
-    return replace(_fedavg_of_two(options, context), name="ffa-lora", sharing=Sharing(frozen_matrices=frozenset({"lora_A"})))
+    return replace(_fedavg_of_two(options, context), name="ffa-lora",
+                   sharing=Sharing(frozen_matrices=frozenset({"lora_A"})))
 
 
 def fedsa_lora(options: LoRASizes, context: MethodContext) -> Method:
