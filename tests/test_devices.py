@@ -267,12 +267,18 @@ def test_a_device_source_names_its_reader_and_is_refused_in_the_simulation(tmp_p
     texts.mkdir()
     lines = tmp_path / "mine.jsonl"
     lines.write_text('{"text": "hello"}\n')
+    table = tmp_path / "mine.csv"
+    table.write_text("id,body\n1,a row of mine\n")
     from datasets import Dataset
 
     Dataset.from_dict({"text": ["saved one", "saved two"]}).save_to_disk(str(tmp_path / "saved"))
-    assert [device_source_kind(p) for p in (texts, lines, tmp_path / "saved")] == ["text-folder", "jsonl",
-                                                                                  "saved-dataset"]
+    Dataset.from_dict({"body": ["a parquet row"]}).to_parquet(str(tmp_path / "mine.parquet"))
+    kinds = [device_source_kind(p) for p in (texts, lines, table, tmp_path / "mine.parquet", tmp_path / "saved")]
+    assert kinds == ["text-folder", "files", "files", "files", "saved-dataset"]
     assert list(documents("saved-dataset", {"path": str(tmp_path / "saved")})) == ["saved one", "saved two"]
+    assert list(documents("files", {"path": str(table), "text_field": "body"})) == ["a row of mine"]
+    assert list(documents("files", {"path": str(tmp_path / "mine.parquet"), "text_field": "body"})) == \
+        ["a parquet row"]
     with pytest.raises(UserError, match="does not exist"):
         device_source_kind(tmp_path / "missing")
     with pytest.raises(UserError, match="runs on Flower SuperNodes") as raised:

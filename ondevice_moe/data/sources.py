@@ -118,16 +118,13 @@ def device(**_: object) -> Documents:
 
 def device_source_kind(path: Path) -> str:
     """The source that reads a device's ``data-path``: a folder saved by ``datasets``, a folder of
-    text files, or a ``.jsonl`` file."""
+    text files, or one file that :func:`files` reads (CSV, TSV, JSON lines, JSON, Parquet, text)."""
     if path.is_dir():
         return "saved-dataset" if is_saved_dataset(path) else "text-folder"
-    if path.suffix == ".jsonl" and path.is_file():
-        return "jsonl"
-    if not path.exists():
-        raise UserError(f"this device's data-path {path} does not exist",
-                        "point --node-config data-path at the device's own data")
-    raise UserError(f"this device's data-path {path} is neither a folder nor a .jsonl file",
-                    "give a text folder, a .jsonl file or a folder saved by `datasets`")
+    if path.is_file():
+        return "files"
+    raise UserError(f"this device's data-path {path} does not exist",
+                    "point --node-config data-path at the device's own data")
 
 
 def hugging_face(
