@@ -116,7 +116,11 @@ def test_a_device_sets_pi_by_em_trains_every_centre_and_sends_all_of_them(tmp_pa
     examples = centres_side.centre_examples(job.method.procedure, dev.JobDevice(job, 0))
     assert trainer.round_state[centres_side.ANCHORS].posteriors.shape == (2, len(examples))
     assert trainer.round_state[centres_side.ANCHORS].penalty(trainer.trainable) is None, "FedEM has no proximal term"
-    dev.run_local_procedure(job, 0, trainer, seed=0)
+    start = trainer.iteration
+    metrics, _ = dev.run_local_procedure(job, 0, trainer, seed=0)
+    steps = metrics["step_losses"]  # each step: the mean of the centres' losses at it
+    assert len(steps) == trainer.iteration - start > 0
+    assert metrics["train_loss"] == pytest.approx(sum(steps) / len(steps))
     tensors, records = dev.upload(job, trainer)
     assert set(tensors) == set(dev.upload_reference(job, 0)) == {centre_key(s, "net.1.weight") for s in range(2)}
     trained = split_centres(tensors)

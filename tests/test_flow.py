@@ -316,3 +316,29 @@ def test_sgd_takes_the_recipes_momentum_which_adamw_refuses():
     assert plain.expert_optimizer.param_groups[0]["momentum"] == 0
     with pytest.raises(UserError, match="momentum"):
         load_recipe(TINY_FLOW, ["training.optimizer=adamw", "training.momentum=0.9"])
+
+
+@pytest.mark.parametrize("method", ["flow", "fedavgft", "ditto", "apfl"])
+def test_a_round_logs_every_step_loss_in_the_order_the_steps_ran(method):
+    """Each step of the round (local and global, in the order they ran) gives one ``step_losses``
+    entry, numbered by the device's step count, so tracking draws Flow's rounds step by step."""
+    raw = yaml.safe_load(TINY_FLOW.read_text())
+    raw["methods"] = [method]
+    job = Job(validate_recipe(raw), 0, Path("."))
+    trainer = dev.restore_trainer(job, 0, None, RecordDict())
+    start = trainer.iteration
+    metrics, _ = flow_round(trainer, dev.federated_task(job).train[0], job.recipe.task.batch_size, seed=0)
+    steps = metrics["step_losses"]
+    assert len(steps) == metrics["iteration"] - start == trainer.iteration - start > 0
+    assert all(isinstance(loss, float) and loss > 0 for loss in steps)
+    local, global_ = metrics["train_loss_local"], metrics["train_loss"]
+
+    def mean(values: list[float]) -> float:
+        return sum(values) / len(values)
+
+    if method == "apfl":  # a global and a personal step on each pair of batches: some n of them global
+        assert any(n * global_ + (len(steps) - n) * local == pytest.approx(sum(steps)) for n in range(len(steps)))
+    else:  # Flow and FedAvgFT fine-tune the local copies first; Ditto trains the global layers first
+        first, then = (global_, local) if method == "ditto" else (local, global_)
+        assert any(mean(steps[:n]) == pytest.approx(first) and mean(steps[n:]) == pytest.approx(then)
+                   for n in range(1, len(steps)))

@@ -234,18 +234,20 @@ def _train_every_centre(device: OnDevice, trainer: DeviceTrainer) -> tuple[dict[
     optimisers across rounds; here only the iteration count (and so the epochs drawn) runs on."""
     examples = centre_examples(device.method.procedure, device)
     anchors: ProximalAnchors = trainer.round_state[ANCHORS]
-    trained, losses, start = {}, [], trainer.iteration
+    trained, centre_steps, start = {}, [], trainer.iteration
     for centre, tensors in enumerate(anchors.centres):
         trainer.model.load_state_dict(tensors, strict=False)
         learner = device.trainer(trainer.model)
         learner.iteration = start
         sampler, per_epoch = epoch_sampler(WeightedExamples(examples, anchors.posteriors[centre]), device.batch_size,
                                            zlib.crc32(f"{device.seed}:centre:{centre}".encode()))
-        losses.append(learner.train_iterations(device.local_steps(per_epoch), sampler, sampler)["train_loss"])
+        centre_steps.append(learner.train_iterations(device.local_steps(per_epoch), sampler, sampler)["step_losses"])
         trained.update({centre_key(centre, name): tensor for name, tensor in device.shared_state(learner).items()})
         trainer.iteration = learner.iteration
     trainer.round_state[UPLOADS] = trained
-    return {"train_loss": sum(losses) / len(losses), "iteration": float(trainer.iteration)}, len(examples)
+    steps = [sum(step) / len(step) for step in zip(*centre_steps, strict=True)]  # a step: the centres' mean loss
+    return {"train_loss": sum(steps) / len(steps), "step_losses": steps,
+            "iteration": float(trainer.iteration)}, len(examples)
 
 
 def mixture_scores(device: OnDevice, model: nn.Module, centres: dict[int, Tensors], mixture: list[float]

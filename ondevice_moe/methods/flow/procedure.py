@@ -190,7 +190,7 @@ def flow_round(trainer: DeviceTrainer, examples, batch_size: int, seed: int) -> 
     router.path = "policy"
     trainer.iteration += len(local_losses) + len(global_losses)
     metrics = {"train_loss_local": _mean(local_losses), "train_loss": _mean(global_losses),
-               "iteration": float(trainer.iteration)}
+               "step_losses": [*local_losses, *global_losses], "iteration": float(trainer.iteration)}
     if policy_losses:
         metrics["router_loss"] = _mean(policy_losses)
         metrics.update(global_shares(router, global_half))
@@ -266,7 +266,7 @@ def ditto_round(trainer: DeviceTrainer, examples, batch_size: int, key: int | st
         router.path = "policy"
     trainer.iteration += len(local_losses) + len(global_losses)
     return {"train_loss_local": _mean(local_losses), "train_loss": _mean(global_losses),
-            "iteration": float(trainer.iteration)}, len(global_rows)
+            "step_losses": [*global_losses, *local_losses], "iteration": float(trainer.iteration)}, len(global_rows)
 
 
 def apfl_round(trainer: DeviceTrainer, examples, batch_size: int, key: int | str) -> tuple[dict[str, float], int]:
@@ -280,7 +280,7 @@ def apfl_round(trainer: DeviceTrainer, examples, batch_size: int, key: int | str
     router, global_ids, local_ids = _personal_model_start(trainer)
     local_rows, global_rows = training_rows(procedure, len(examples), key)
     alpha = frozenset({id(router.alpha_logit)})
-    global_losses, local_losses = [], []
+    global_losses, local_losses, steps = [], [], []
     try:
         for epoch in range(procedure.local_epochs):
             pairs = zip_longest(epoch_batches(ExampleRows(examples, global_rows), batch_size, key, epoch),
@@ -289,13 +289,15 @@ def apfl_round(trainer: DeviceTrainer, examples, batch_size: int, key: int | str
                 if global_batch is not None:
                     router.path = "global"
                     global_losses.append(trainer.expert_step(global_batch, idle=local_ids | alpha))
+                    steps.append(global_losses[-1])
                 if local_batch is not None:
                     router.path = "mixture"
                     local_losses.append(trainer.expert_step(local_batch, idle=global_ids))
+                    steps.append(local_losses[-1])
     finally:
         router.path = "policy"
-    trainer.iteration += len(local_losses) + len(global_losses)
-    metrics = {"train_loss_local": _mean(local_losses), "train_loss": _mean(global_losses),
+    trainer.iteration += len(steps)
+    metrics = {"train_loss_local": _mean(local_losses), "train_loss": _mean(global_losses), "step_losses": steps,
                "alpha": float(torch.sigmoid(router.alpha_logit.detach())), "iteration": float(trainer.iteration)}
     return metrics, len(global_rows)
 
