@@ -6,6 +6,9 @@ os.environ.setdefault("FLWR_LOG_LEVEL", "ERROR")
 os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the CLI: waiting threads sleep (see cli.py)
+# Messages name temporary paths, and rich breaks a word longer than the console: a console wider than
+# any such path keeps each one whole, however deep pytest's (or a worker's) tmp folder lies.
+os.environ.setdefault("COLUMNS", "200")
 
 import pytest
 import torch
