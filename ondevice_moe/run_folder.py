@@ -19,7 +19,7 @@ import yaml
 
 from ondevice_moe.errors import UserError
 from ondevice_moe.names import folder_name
-from ondevice_moe.recipe import Recipe
+from ondevice_moe.recipe import Recipe, validate_recipe
 from ondevice_moe.report import (
     CorruptLog,
     MetricsLog,
@@ -65,7 +65,7 @@ def kept_methods(recipe: Recipe, run_dir: Path, overwrite: bool = False) -> set[
         raise _unusable(run_dir, error) from None
     except CorruptLog as error:
         raise UserError(f"the run folder {run_dir} is damaged: {error}", FOLDER_FIX) from None
-    if records and existing is not None and existing != _resolved(recipe):
+    if records and existing is not None and not _same_recipe(existing, recipe):
         raise UserError(f"{run_dir} holds a run of a different recipe (or other --set/--seed values)", FOLDER_FIX)
     return {record["method"] for record in records if record["kind"] == "done"}
 
@@ -109,6 +109,20 @@ def _remove_run_outputs(run_dir: Path) -> None:
 def _resolved(recipe: Recipe) -> str:
     """The recipe as ``recipe.yaml`` holds it: every default filled in."""
     return yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False)
+
+
+def _same_recipe(existing: str, recipe: Recipe) -> bool:
+    """Whether the ``recipe.yaml`` a folder's run started with is ``recipe``: the same text or, written by
+    an earlier version of the toolkit, the same once the keys added since take their defaults (which
+    keep what that version did). A file this version cannot read as a recipe is another recipe."""
+    resolved = _resolved(recipe)
+    if existing == resolved:
+        return True
+    try:
+        raw = yaml.safe_load(existing)
+        return isinstance(raw, dict) and _resolved(validate_recipe(raw)) == resolved
+    except (yaml.YAMLError, UserError):
+        return False
 
 
 def _unusable(run_dir: Path, error: OSError | UnicodeDecodeError) -> UserError:

@@ -151,6 +151,24 @@ def test_a_folder_where_nothing_ran_takes_the_corrected_recipe(tmp_path):
         runner.prepare_run_dir(recipe, run_dir)
 
 
+def test_a_run_folder_of_an_earlier_version_resumes_when_only_keys_added_since_differ(tmp_path):
+    """A run started before a key existed wrote no such key: with the key at its default it is the same
+    run, and resumes; a value that differs is another recipe still, and so is a file that is no recipe."""
+    recipe = load_recipe(TINY)
+    run_dir = runner.prepare_run_dir(recipe, tmp_path / "run")
+    MetricsLog(run_dir / "metrics.jsonl").write({"method": "pretrained", "kind": "done", "rounds": 0})
+    earlier = yaml.safe_load((run_dir / "recipe.yaml").read_text())
+    del earlier["logging"], earlier["privacy"]["delta"]  # keys of issue 35, at their defaults
+    (run_dir / "recipe.yaml").write_text(yaml.safe_dump(earlier, sort_keys=False))
+    assert runner.kept_methods(recipe, run_dir) == {"pretrained"}
+    with pytest.raises(UserError, match="different recipe"):
+        runner.kept_methods(recipe.model_copy(update={"seed": recipe.seed + 1}), run_dir)
+    for text in ("- not\n- a recipe\n", "name: [unclosed\n", "name: x\nnot_a_key: 1\n"):
+        (run_dir / "recipe.yaml").write_text(text)
+        with pytest.raises(UserError, match="different recipe"):
+            runner.kept_methods(recipe, run_dir)
+
+
 def test_rerunning_a_finished_run_loads_no_model_or_data(tmp_path, monkeypatch):
     recipe = load_recipe(TINY)
     run_dir = runner.prepare_run_dir(recipe, tmp_path / "run")
