@@ -202,8 +202,14 @@ def evaluate_run(run_dir: Path, suite: str | None = None, device: str | None = N
                 values = user_values(metrics, user_index)
                 if values:
                     records.append({"method": job.method.name, "round": 0, "kind": "eval", "user": user, **values})
-    return summarize(records, [job.method.name for job in jobs], recipe.user_names, recipe.metric,
-                     eval_split(recipe))
+    names = [job.method.name for job in jobs]
+    trained = [record for record in MetricsLog(Path(run_dir) / "metrics.jsonl").read()
+               if record.get("method") in names and record["kind"] in TRAINING_FIGURES]
+    return summarize(trained + records, names, recipe.user_names, recipe.metric, eval_split(recipe))
+
+
+# What the training sent, dropped and spent on privacy: a re-scoring keeps the run's own figures.
+TRAINING_FIGURES = ("comm", "drop", "privacy")
 
 
 def finished_jobs(run_dir: Path, device: str | None = None, split: str | None = None) -> tuple[Recipe, list[Job]]:
