@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -191,6 +191,17 @@ def secure_round(grid: Grid, messages: dict[int, Message], reference: dict[str, 
     return SecureRound(mean, metrics, counting.bytes_up, counting.masked_bytes, failures)
 
 
+def _pack_lists(metrics: Mapping[str, Any]) -> dict[str, Any]:
+    """A device's metrics as FitRes takes them: each list as JSON text under :data:`LIST_PREFIX`."""
+    packed: dict[str, Any] = {}
+    for key, value in metrics.items():
+        if isinstance(value, list):
+            packed[f"{LIST_PREFIX}{key}"] = json.dumps(value)
+        else:
+            packed[key] = value
+    return packed
+
+
 def _unpack_lists(metrics: dict[str, Any]) -> dict[str, Any]:
     """A device's FitRes metrics with its lists restored (:data:`LIST_PREFIX`), ``device`` left out."""
     return {key.removeprefix(LIST_PREFIX): json.loads(value) if key.startswith(LIST_PREFIX) else value
@@ -218,9 +229,7 @@ def secure_aggregation_mod(msg: Message, context: Context, call_next: ClientAppC
         reply = call_next(msg, context)
         if reply.has_error():
             raise RuntimeError(reply.error.reason)
-        metrics = {f"{LIST_PREFIX}{key}" if isinstance(value, list) else key:
-                   json.dumps(value) if isinstance(value, list) else value
-                   for key, value in reply.content["metrics"].items()}
+        metrics = _pack_lists(reply.content["metrics"])
         upload = reply.content["arrays"]
         weighting = job_from_context(context).recipe.federation.weighting
         weight = int(metrics["num-examples"]) if weighting == "num_examples" else 1
