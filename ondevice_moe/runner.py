@@ -166,6 +166,9 @@ def _cause(log: MetricsLog, job: Job) -> str:
 
 SUITES = {"lm": True, "glue": False}  # suite → is it for language-modelling runs
 
+# What the training sent, dropped and spent on privacy: a re-scoring keeps the run's own figures.
+TRAINING_FIGURES = ("comm", "drop", "privacy")
+
 
 def evaluate_run(run_dir: Path, suite: str | None = None, device: str | None = None, split: str | None = None,
                  methods: list[str] | None = None) -> dict[str, Any]:
@@ -206,10 +209,6 @@ def evaluate_run(run_dir: Path, suite: str | None = None, device: str | None = N
     trained = [record for record in MetricsLog(Path(run_dir) / "metrics.jsonl").read()
                if record.get("method") in names and record["kind"] in TRAINING_FIGURES]
     return summarize(trained + records, names, recipe.user_names, recipe.metric, eval_split(recipe))
-
-
-# What the training sent, dropped and spent on privacy: a re-scoring keeps the run's own figures.
-TRAINING_FIGURES = ("comm", "drop", "privacy")
 
 
 def finished_jobs(run_dir: Path, device: str | None = None, split: str | None = None) -> tuple[Recipe, list[Job]]:
