@@ -61,6 +61,7 @@ from ondevice_moe.experts import LoRA, LoRAAdaptedLinear, linear_features
 from ondevice_moe.experts.adapter import Adapter, AdapterAfter
 from ondevice_moe.experts.layer import AdaptedLayer, AdaptorKinds, LayerAdaptor, layer_adaptor
 from ondevice_moe.experts.layer_copy import RoutedLayer
+from ondevice_moe.experts.lora import gated
 from ondevice_moe.experts.prefix import Prefix, register_prefix_attention
 from ondevice_moe.mixture import MixedForward, MixtureMLP, gpt2_mixed_forward, llama_mixed_forward
 from ondevice_moe.routing import ClientMixtureRouter, ClientRouter, TokenTopKRouter, UniformRouter
@@ -573,8 +574,9 @@ def _route_layer_copy(model: nn.Module, path: str, router: InstancePolicyRouter,
     router.pairs.append((routed.base, routed.local))
 
 
-def _always_on() -> torch.Tensor:
-    return torch.ones(())
+def _always_on() -> None:
+    """No gate: the expert is always on (a tensor made here would sit on torch's default device)."""
+    return None
 
 
 def _adaptable_layers(model: nn.Module, own: tuple[str, ...] = ()) -> list[tuple[str, nn.Module]]:
@@ -612,7 +614,7 @@ class EnsembleNet(nn.Module):
         self.gates = gates
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return sum(gate() * expert(x) for gate, expert in zip(self.gates, self.experts.values(), strict=True))
+        return sum(gated(gate(), expert(x)) for gate, expert in zip(self.gates, self.experts.values(), strict=True))
 
 
 def _register_expert_params(router: nn.Module, experts: dict[str, nn.Module]) -> None:

@@ -160,7 +160,8 @@ class DeviceTrainer:
         router phases' mean ``router_loss``, FLoRAL's ``pi_<c>`` and each expert's mean score per layer.
         """
         losses, router_losses = [], []
-        score_sums = [torch.zeros(len(m.expert_names)) for m in routing_sites(self.model)]
+        device = model_device(self.model)
+        score_sums = [torch.zeros(len(m.expert_names), device=device) for m in routing_sites(self.model)]
         for _ in range(iterations):
             self.iteration += 1
             losses.append(self.expert_step(train_batches(self.iteration)))

@@ -8,7 +8,6 @@ expert's gate (FLoRAL: the client's mixture weight ``π_c``, eq. FML).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -17,10 +16,8 @@ from torch import nn
 from ondevice_moe.errors import UserError
 from ondevice_moe.experts.bias import BiasAdaptor
 from ondevice_moe.experts.conv_lora import ConvForm, ConvLoRA, relative_rank
-from ondevice_moe.experts.lora import LoRA, add_gated, is_gpt2_conv1d, linear_features
+from ondevice_moe.experts.lora import Gate, LoRA, add_gated, gated, is_gpt2_conv1d, linear_features
 from ondevice_moe.experts.norm import NormAdaptor, is_norm
-
-Gate = Callable[[], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -112,7 +109,7 @@ class AdaptedLayer(nn.Module):
         for name, adaptor in self.adapters.items():
             residual = adaptor(x, base)
             if residual is not None:
-                out = out + gates[name].to(out.dtype) * residual
+                out = out + gated(gates[name], residual)
         return out
 
 

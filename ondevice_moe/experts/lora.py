@@ -94,6 +94,11 @@ class LoRA(nn.Module):
         return self.add_codes(out, self.codes(x, weight))
 
 
+def gated(weight: torch.Tensor | None, residual: torch.Tensor) -> torch.Tensor:
+    """``w·residual``, or the residual itself for an expert without a gate (always on)."""
+    return residual if weight is None else weight.to(residual.dtype) * residual
+
+
 def add_gated(out: torch.Tensor, x: torch.Tensor, experts: Sequence[tuple[LoRA, torch.Tensor | None]]
               ) -> torch.Tensor:
     """``out + Σ_e w_e·γ_e·B_e(A_e x)`` for gated LoRA experts on one layer, in one matrix product.

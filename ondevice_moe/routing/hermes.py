@@ -107,7 +107,7 @@ class HermesRouter(nn.Module):
         expert_params = self.expert_params
         if self._batch_counts is None or not expert_params:
             return
-        norms = torch.zeros(len(self.experts))
+        norms = self.gradient_score.new_zeros(len(self.experts))  # on the router's device (CUDA too)
         for index, expert in enumerate(self.experts):
             params = expert_params.get(expert, [])
             if self._batch_counts[index] == 0:
