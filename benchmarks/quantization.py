@@ -112,13 +112,16 @@ def figures_of(args: argparse.Namespace, weights: dict[str, float], times: dict[
     def ratios(values: dict[str, float]) -> dict[str, float]:
         return {kind: value / values[REFERENCE] for kind, value in values.items()}
 
-    return {
-        "model": args.model, "device": resolve_device(args.device).type, "batch": args.batch,
+    device = resolve_device(args.device).type
+    figures = {
+        "model": args.model, "device": device, "batch": args.batch,
         "context": args.context, "steps": args.steps, "threads": torch.get_num_threads(),
-        "weights_mib": weights, "tensor_peak_mib": tensor_peak, "peak_rss_mib": peak_rss, "step_s": times,
-        "weights_ratio": ratios(weights), "tensor_peak_ratio": ratios(tensor_peak),
-        "peak_rss_ratio": ratios(peak_rss), "step_time_ratio": ratios(times),
+        "weights_mib": weights, "tensor_peak_mib": tensor_peak, "step_s": times,
+        "weights_ratio": ratios(weights), "tensor_peak_ratio": ratios(tensor_peak), "step_time_ratio": ratios(times),
     }
+    if device == "cpu":  # on CUDA the child's peak is the allocator's peak, which is the tensor peak already
+        figures |= {"peak_rss_mib": peak_rss, "peak_rss_ratio": ratios(peak_rss)}
+    return figures
 
 
 COLUMNS = [("weights (MiB)", "weights_mib", "weights_ratio", 0), ("tensor peak (MiB)", "tensor_peak_mib",
@@ -127,11 +130,13 @@ COLUMNS = [("weights (MiB)", "weights_mib", "weights_ratio", 0), ("tensor peak (
 
 
 def table(figures: dict) -> str:
-    """The figures as a markdown table, one row per base, each value with its ratio to fp32."""
-    lines = ["| base | " + " | ".join(title for title, *_ in COLUMNS) + " |", "|---" * (len(COLUMNS) + 1) + "|"]
+    """The figures as a markdown table, one row per base, each value with its ratio to fp32
+    (the columns the figures hold: peak RSS is a CPU figure)."""
+    columns = [column for column in COLUMNS if column[1] in figures]
+    lines = ["| base | " + " | ".join(title for title, *_ in columns) + " |", "|---" * (len(columns) + 1) + "|"]
     for kind in figures["step_s"]:
         cells = [f"{figures[value][kind]:.{digits}f} ({figures[ratio][kind]:.2f}×)"
-                 for _, value, ratio, digits in COLUMNS]
+                 for _, value, ratio, digits in columns]
         lines.append(f"| {kind} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

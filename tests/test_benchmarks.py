@@ -62,6 +62,10 @@ def test_quantization_benchmark_runs_one_step_per_base(benchmarks, saved_tiny_mo
     assert all(figures["step_s"][kind] > 0 and figures["peak_rss_mib"][kind] > 0 for kind in kinds)
     tensors = figures["tensor_peak_mib"]
     assert all(tensors[kind] > figures["weights_mib"][kind] for kind in kinds), "the step adds to the weights"
+    assert "| peak RSS (MiB) |" in benchmarks["quantization"].table(figures)
+    on_cuda = {key: value for key, value in figures.items() if not key.startswith("peak_rss")}
+    cuda_table = benchmarks["quantization"].table(on_cuda)  # CUDA's figures hold no resident set
+    assert "RSS" not in cuda_table and cuda_table.splitlines()[0].count("|") == 5
 
 
 def test_live_tensor_peak_counts_what_is_alive_at_once(monkeypatch):
