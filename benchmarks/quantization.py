@@ -107,7 +107,6 @@ def figures_of(args: argparse.Namespace, weights: dict[str, float], times: dict[
                memory: dict[str, dict[str, float]]) -> dict[str, object]:
     """Every side's figures, and their ratios to the fp32 base."""
     tensor_peak = {kind: m["tensor_peak_mib"] for kind, m in memory.items()}
-    peak_rss = {kind: m["peak_mib"] for kind, m in memory.items()}
 
     def ratios(values: dict[str, float]) -> dict[str, float]:
         return {kind: value / values[REFERENCE] for kind, value in values.items()}
@@ -120,6 +119,7 @@ def figures_of(args: argparse.Namespace, weights: dict[str, float], times: dict[
         "weights_ratio": ratios(weights), "tensor_peak_ratio": ratios(tensor_peak), "step_time_ratio": ratios(times),
     }
     if device == "cpu":  # on CUDA the child's peak is the allocator's peak, which is the tensor peak already
+        peak_rss = {kind: m["peak_mib"] for kind, m in memory.items()}
         figures |= {"peak_rss_mib": peak_rss, "peak_rss_ratio": ratios(peak_rss)}
     return figures
 
