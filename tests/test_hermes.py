@@ -140,3 +140,19 @@ def test_the_upload_reference_holds_every_expert_a_client_may_send():
         assert any(kind in name for name in reference), kind
     assert not any("router" in name for name in reference)
     assert all(tensor.device.type == "meta" for tensor in reference.values())
+
+
+def test_without_aggregation_balance_averages_each_expert_uniformly_over_its_uploaders():
+    """Table 2's w/o-A is §4.3's "naive choice ω = 1": FedAvg of an expert over the devices that sent it,
+    whatever their example counts; task heads keep the federation's weighting."""
+    from ondevice_moe.methods.base import MethodContext
+    from ondevice_moe.methods.registry import build_method, method_options
+
+    method = build_method("hermes", method_options("hermes", {"ablation": "w/o-A"}),
+                          MethodContext(3, weighting="num_examples"))
+    updates = [Update(0, {"e": torch.tensor([1.0]), "head": torch.tensor([1.0])}, 10, {"e": 3.0}),
+               Update(1, {"e": torch.tensor([4.0]), "head": torch.tensor([4.0])}, 30, {"e": 15.0}),
+               Update(2, {"head": torch.tensor([8.0])}, 60, {})]
+    result = average(updates, method.server_rule.weights())
+    torch.testing.assert_close(result["e"], torch.tensor([2.5]))  # (1 + 4) / 2, not (10·1 + 30·4) / 40
+    torch.testing.assert_close(result["head"], torch.tensor([(10 * 1.0 + 30 * 4.0 + 60 * 8.0) / 100]))

@@ -41,7 +41,8 @@ class HermesBaselineOptions(MethodOptions, HermesSizes):
 
 
 class HermesOptions(HermesBaselineOptions):
-    """``ablation`` removes one component (Table 2): ``w/o-A`` plain averaging,
+    """``ablation`` removes one component (Table 2): ``w/o-A`` each expert averaged
+    uniformly over the devices that uploaded it (§4.3's ω = 1; task heads keep ``weighting``),
     ``w/o-K`` no top-k (all experts, dense softmax), ``w/o-G`` no gradient view,
     ``w/o-F`` no feature view."""
 

@@ -7,7 +7,7 @@ shared (the server broadcasts every expert to every client); routers stay home.
 
 from __future__ import annotations
 
-from ondevice_moe.federation.rules import InverseFrequencyRule, ServerRule
+from ondevice_moe.federation.rules import InverseFrequencyRule
 from ondevice_moe.layout import ExpertSizes, ExpertSpec, Layout, RouterSpec
 from ondevice_moe.methods.base import Method, MethodContext, Procedure, Sharing, same_for_all
 from ondevice_moe.methods.hermes.config import HermesOptions, HermesSizes
@@ -34,10 +34,11 @@ def hermes_router(options: HermesSizes) -> RouterSpec:
 def hermes(options: HermesOptions, context: MethodContext) -> Method:
     """Hermes, optionally without one component (Table 2)."""
     router = hermes_router(options)
-    rule: ServerRule = InverseFrequencyRule(context.weighting, alpha=options.aggregation_alpha,
-                                            epsilon=options.aggregation_epsilon)
+    alpha = options.aggregation_alpha
     if options.ablation == "w/o-A":
-        rule = ServerRule(context.weighting, partial_uploads=True)
+        # §4.3: "a naive choice is to set ω = 1, which reduces the scheme to FedAvg over the
+        # selected clients": eq. (11) at α = 0, each expert averaged uniformly over its uploaders.
+        alpha = 0.0
     elif options.ablation == "w/o-K":
         router = RouterSpec(**{**router.__dict__, "top_k": len(HERMES_KINDS)})
     elif options.ablation == "w/o-G":
@@ -47,5 +48,6 @@ def hermes(options: HermesOptions, context: MethodContext) -> Method:
     name = "hermes" + (f"-{options.ablation}" if options.ablation else "") + \
         (f"-k{options.top_k}" if options.top_k != HermesSizes().top_k else "")
     layout = block_layout(options, HERMES_KINDS, router)
+    rule = InverseFrequencyRule(context.weighting, alpha=alpha, epsilon=options.aggregation_epsilon)
     return Method(name, same_for_all(context.num_users, layout), procedure=Procedure(routers="joint"),
                   server_rule=rule, sharing=Sharing(selected_only=True))
