@@ -172,6 +172,8 @@ def test_secaggplus_refuses_methods_that_are_not_one_weighted_sum(recipe, named)
                                                ("{name: hetlora, ranks: [4, 2, 2]}",
                                                 "HetLoRARule combines devices of different LoRA ranks"),
                                                ("centralized", "one device trains on every user's data"),
+                                               ("{name: hermes, ablation: w/o-A}",
+                                                "Hermes without aggregation balance averages each expert"),
                                                ("{name: mixture, experts: [{kind: lora, role: shared}], "
                                                 "router: token-topk, upload: selected}",
                                                 "devices upload only the experts they used")])

@@ -92,6 +92,9 @@ class InverseFrequencyRule(ServerRule):
 
     @property
     def needs_each_update(self) -> str:
+        if self.alpha == 0:
+            return ("Hermes without aggregation balance averages each expert over the devices that uploaded it, "
+                    "and devices upload only the experts they used")
         return ("Hermes's inverse-frequency weights (h + ε)^(−α) differ per expert and per device and need each "
                 "device's usage counts, and devices upload only the experts they used")
 
