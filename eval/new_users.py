@@ -21,11 +21,9 @@ domain: any pick is "right" by chance.
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import statistics
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,8 +34,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from ondevice_moe.errors import UserError
 from ondevice_moe.federation import device as dev
 from ondevice_moe.likelihood import block_nll
-from ondevice_moe.methods.fedsoft.procedure import initial_centre
-from ondevice_moe.runner import finished_jobs
+from ondevice_moe.methods.fedsoft.finished import centred_jobs, final_centres, over_runs
 
 
 @dataclass(frozen=True)
@@ -75,20 +72,14 @@ def pick_centre(losses: torch.Tensor, source: str) -> Pick:
 
 def new_user_picks(run: Path, methods: list[str] | None) -> dict[str, list[Pick]]:
     """Every source's pick, per centred method of ``run``."""
-    _, jobs = finished_jobs(run)
     picks = {}
-    for job in jobs:
-        if not job.method.procedure.server_keeps_models or (methods and job.method.name not in methods):
-            continue
-        if not job.recipe.is_language_modelling:
-            raise UserError(f"{run} is not a language-modelling run", "pass runs of a recipe with a data: section")
+    for job in centred_jobs(run, methods):
         model = dev.build_model(job, 0)
         sources = dev.source_test_blocks(job)
         length = job.recipe.data.context_length
-        formed = dev.server_models_of(job)
         per_centre = []
-        for centre in range(job.server_rule.clusters):
-            model.load_state_dict(formed.get(centre) or initial_centre(dev.JobDevice(job, 0), centre), strict=False)
+        for centre in final_centres(job):
+            model.load_state_dict(centre, strict=False)
             per_centre.append([block_nll(model, blocks, job.recipe.data.eval_batch_size) / (length - 1)
                                for _, blocks in sources])
         picks[job.method.name] = [pick_centre(torch.stack([row[j] for row in per_centre]), name)
@@ -124,20 +115,10 @@ def _summary_table(all_picks: list[dict[str, list[Pick]]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("runs", nargs="+", type=Path, help="finished run folders (one per seed)")
-    parser.add_argument("--method", action="append", help="only these methods (default: every centred method)")
-    args = parser.parse_args(argv)
-    try:
-        all_picks = [new_user_picks(run, args.method) for run in args.runs]
-    except UserError as error:
-        sys.exit(f"error: {error.problem}; fix: {error.fix}")
-    if not any(all_picks):
-        sys.exit("error: no finished FedSoft, IFCA or FedEM method in these runs; fix: pass their run folders")
-    for run, picks in zip(args.runs, all_picks, strict=True):
+    studied = over_runs(argv, __doc__.split("\n\n")[0], new_user_picks)
+    for run, picks in studied:
         print(_run_table(run, picks), end="\n\n")
-    print(_summary_table(all_picks))
-
+    print(_summary_table([picks for _, picks in studied]))
 
 if __name__ == "__main__":
     main()

@@ -1,12 +1,11 @@
 """eval/new_users.py: a new single-domain user picks a centre on half its blocks, scored on the rest."""
 
-import importlib.util
 import math
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from eval_scripts import load_eval_script
 from safetensors.torch import load_file, save_file
 
 from ondevice_moe import runner
@@ -16,11 +15,7 @@ from ondevice_moe.likelihood import block_nll
 from ondevice_moe.methods.fedsoft import procedure as centres_side
 from ondevice_moe.recipe import load_recipe
 
-PATH = Path(__file__).parent.parent / "eval" / "new_users.py"
-SPEC = importlib.util.spec_from_file_location("new_users", PATH)
-new_users = importlib.util.module_from_spec(SPEC)
-sys.modules["new_users"] = new_users  # its dataclass looks its module up
-SPEC.loader.exec_module(new_users)
+new_users = load_eval_script("new_users")
 
 TINY = Path(__file__).parent / "recipes" / "tiny-fedsoft-lm.yaml"
 

@@ -5,6 +5,7 @@ import math
 from pathlib import Path
 
 import pytest
+from eval_scripts import load_eval_script
 
 from ondevice_moe import runner
 from ondevice_moe.federation import strategy
@@ -100,15 +101,6 @@ def test_same_seed_gives_the_same_numbers(tiny_run, tmp_path):
     assert again.summary["methods"]["fedavg"] == result.summary["methods"]["fedavg"]
 
 
-def _eval_script(name: str):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).parent.parent / "eval" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_compare_over_runs(tiny_run):
     from ondevice_moe.compare import comparison
 
@@ -119,7 +111,7 @@ def test_compare_over_runs(tiny_run):
 
 
 def test_block_pairs_reproduce_the_runs_perplexity_gaps_block_by_block(tiny_run, capsys):
-    block_pairs = _eval_script("block_pairs")
+    block_pairs = load_eval_script("block_pairs")
     _, result, _ = tiny_run
     methods = result.summary["methods"]
     gaps = block_pairs.block_gaps(result.run_dir, "comigs-1G1S", "fedavg")

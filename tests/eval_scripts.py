@@ -1,0 +1,17 @@
+"""The scripts of ``eval/`` as modules, for their tests (they are run as files, not installed)."""
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+EVAL = Path(__file__).parent.parent / "eval"
+
+
+def load_eval_script(name: str) -> ModuleType:
+    """``eval/<name>.py`` imported as module ``name`` (registered, so its dataclasses find their module)."""
+    spec = importlib.util.spec_from_file_location(name, EVAL / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
