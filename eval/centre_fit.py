@@ -24,9 +24,10 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from centred_runs import centred_jobs, final_centres, over_runs
+
 from ondevice_moe.federation import device as dev
 from ondevice_moe.likelihood import block_nll
-from ondevice_moe.methods.fedsoft.finished import centred_jobs, final_centres, over_runs
 from ondevice_moe.report import MetricsLog
 
 

@@ -31,10 +31,11 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from centred_runs import centred_jobs, final_centres, over_runs
+
 from ondevice_moe.errors import UserError
 from ondevice_moe.federation import device as dev
 from ondevice_moe.likelihood import block_nll
-from ondevice_moe.methods.fedsoft.finished import centred_jobs, final_centres, over_runs
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
-"""The cluster centres of finished runs, for the scripts that study them (``eval/new_users.py``,
-``eval/centre_fit.py``): which methods of a run have centres, each centre as the devices saw it at
-the end, and the command line the scripts share."""
+"""The cluster centres of finished runs, for the scripts here that study them (``new_users.py``,
+``centre_fit.py``): which methods of a run have centres, each centre as the devices saw it at the
+end, and the command line the scripts share. Imported from this folder (the scripts run as files)."""
 
 from __future__ import annotations
 
