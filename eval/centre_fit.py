@@ -121,5 +121,6 @@ def main(argv: list[str] | None = None) -> None:
             print(_device_table(run, method, rows), end="\n\n")
             print(_centre_table(rows), end="\n\n")
 
+
 if __name__ == "__main__":
     main()

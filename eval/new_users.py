@@ -121,5 +121,6 @@ def main(argv: list[str] | None = None) -> None:
         print(_run_table(run, picks), end="\n\n")
     print(_summary_table([picks for _, picks in studied]))
 
+
 if __name__ == "__main__":
     main()
