@@ -20,7 +20,9 @@ test split from its checkpoints (``ondevice-moe eval RUN --split test``; the sum
 ``rescored_from`` names the run), unless ``--retrain-sweep-seed``.
 
 Every run is one process after another (one ``ondevice-moe finetune`` at a time); each one's wall
-time is printed and kept in ``FOLDER/wall_times.json``. ``--dry-run`` prints the commands only.
+time is printed and kept in ``FOLDER/wall_times.json``. A run that fails is reported and the sweep
+goes on: its unfinished methods count as failed at that rate (``failed`` in the table), and the
+sweep run again resumes it. ``--dry-run`` prints the commands only.
 """
 
 from __future__ import annotations
@@ -63,17 +65,31 @@ def finetune_command(recipe: Path, folder: Path, rate: float, seed: int, split: 
     return command
 
 
-def run(command: list[str], folder: Path, out: Path, dry_run: bool) -> None:
-    """Run ``command`` unless ``folder`` holds a finished run; print and keep its wall time."""
-    if (folder / "summary.json").is_file():
+def finished_methods(folder: Path) -> set[str]:
+    """The methods a run folder's ``summary.json`` holds (none without one)."""
+    path = folder / "summary.json"
+    return set(json.loads(path.read_text(encoding="utf-8"))["methods"]) if path.is_file() else set()
+
+
+def run(command: list[str], folder: Path, out: Path, dry_run: bool, methods: list[str]) -> None:
+    """Run ``command`` unless ``folder`` holds every one of ``methods`` finished; print and keep its
+    wall time. A run that fails is reported and the sweep goes on: the methods it did not finish
+    count as failed at that rate, and running the sweep again resumes the run (``finetune`` keeps
+    what finished)."""
+    if set(methods) <= finished_methods(folder):
         print(f"kept: {folder} (finished before)", flush=True)
         return
     print("$ " + shlex.join(command), flush=True)
     if dry_run:
         return
     start = time.monotonic()
-    subprocess.run(command, check=True)
+    status = subprocess.run(command, check=False).returncode
     seconds = time.monotonic() - start
+    if status != 0:
+        missing = sorted(set(methods) - finished_methods(folder))
+        print(f"error: {folder.name} stopped (exit status {status}) before {', '.join(missing)} finished; "
+              "they count as failed at this rate. fix: see the error above, then run the sweep again "
+              "(finished methods are kept)", flush=True)
     times_path = out / "wall_times.json"
     times = json.loads(times_path.read_text(encoding="utf-8")) if times_path.is_file() else {}
     times[folder.name] = round(seconds, 1)
@@ -101,7 +117,9 @@ def rescore_on_test(valid_folder: Path, folder: Path, methods: list[str], dry_ru
 
 
 def read_summary(folder: Path, split: str) -> dict:
-    """A finished run's summary, checked to be scored on ``split``."""
+    """A run's summary, checked to be scored on ``split``; a run that wrote none holds no methods."""
+    if not (folder / "summary.json").is_file():
+        return {"eval_split": split, "methods": {}}
     summary = json.loads((folder / "summary.json").read_text(encoding="utf-8"))
     scored = summary.get("eval_split", "test")
     if scored != split:
@@ -113,22 +131,23 @@ def read_summary(folder: Path, split: str) -> dict:
 def sweep_table(summaries: dict[float, dict], select: str) -> tuple[str, dict[str, float]]:
     """The validation table (a row per method, per rate ``in / out``) and each method's best rate."""
     rates = sorted(summaries)
-    methods = [m for m in summaries[rates[0]]["methods"] if all(m in s["methods"] for s in summaries.values())]
+    methods = list(dict.fromkeys(m for r in rates for m in summaries[r]["methods"]))
     key = SELECT[select]
     header = ["method", *(f"lr {rate_name(r)}: valid ppl in / out" for r in rates), f"best lr (valid {select})"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     best: dict[str, float] = {}
     for method in methods:
-        entries = {r: summaries[r]["methods"][method] for r in rates}
-        values = {r: e.get(key) for r, e in entries.items()}
+        entries = {r: summaries[r]["methods"].get(method) for r in rates}
+        values = {r: e.get(key) for r, e in entries.items() if e is not None}
         finite = {r: v for r, v in values.items() if v is not None and math.isfinite(v)}
-        cells = [f"{_cell(e.get('mean_in'))} / {_cell(e.get('mean_out'))}" for e in entries.values()]
+        cells = ["failed" if e is None else f"{_cell(e.get('mean_in'))} / {_cell(e.get('mean_out'))}"
+                 for e in entries.values()]
         if finite:
             best[method] = min(finite, key=finite.get)
             edge = " (edge of the grid)" if len(rates) > 1 and best[method] in (rates[0], rates[-1]) else ""
             cells.append(rate_name(best[method]) + edge)
         else:
-            cells.append("diverged at every rate")
+            cells.append("diverged or failed at every rate")
         lines.append(f"| {method} | {' | '.join(cells)} |")
     return "\n".join(lines), best
 
@@ -166,9 +185,11 @@ def main(argv: list[str]) -> None:
     out = args.out or Path("runs") / f"sweep-{recipe.name}"
     out.mkdir(parents=True, exist_ok=True)
     rates = sorted(set(args.rates))
+    entries = entries_by_method(recipe)
     for rate in rates:
         run(finetune_command(args.recipe, run_folder(out, "valid", rate, args.seed), rate, args.seed, "valid",
-                             args.overrides), run_folder(out, "valid", rate, args.seed), out, args.dry_run)
+                             args.overrides), run_folder(out, "valid", rate, args.seed), out, args.dry_run,
+            list(entries))
     if args.dry_run:
         return
     summaries = {rate: read_summary(run_folder(out, "valid", rate, args.seed), "valid") for rate in rates}
@@ -180,7 +201,6 @@ def main(argv: list[str]) -> None:
     (out / "best_rates.json").write_text(json.dumps(best, indent=2), encoding="utf-8")
     if not args.test_seeds:
         return
-    entries = entries_by_method(recipe)
     chosen = {rate: [entries[m] for m in best if best[m] == rate] for rate in sorted(set(best.values()))}
     joined = []
     for seed in args.test_seeds:
@@ -192,7 +212,7 @@ def main(argv: list[str]) -> None:
                                 [m for m in best if best[m] == rate], False)
             else:
                 run(finetune_command(args.recipe, folder, rate, seed, "test", args.overrides, methods), folder,
-                    out, False)
+                    out, False, [m for m in best if best[m] == rate])
             read_summary(folder, "test")
             folders.append(folder)
         joined.append(Path("+".join(str(f) for f in folders)))

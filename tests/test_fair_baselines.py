@@ -192,6 +192,30 @@ def test_sweep_table_picks_each_methods_lowest_validation_rate_and_flags_an_edge
     assert "0.0005 (edge of the grid)" in table and "diverged" in table
 
 
+def test_a_method_that_failed_at_a_rate_is_chosen_among_the_rates_it_finished():
+    import lr_sweep
+
+    summaries = {2e-3: _summary("valid", {"a": 25.0, "b": 21.0}), 8e-3: _summary("valid", {"b": 20.0})}
+    table, best = lr_sweep.sweep_table(summaries, "in")
+    assert best == {"a": 2e-3, "b": 8e-3}
+    assert "| a | 25.00 / 50.00 | failed | 0.002 (edge of the grid) |" in table
+
+
+def test_a_failing_run_is_reported_and_the_sweep_goes_on(tmp_path, capsys):
+    import lr_sweep
+
+    folder = tmp_path / "valid-lr0.008-s0"
+    folder.mkdir()
+    (folder / "summary.json").write_text(json.dumps(_summary("valid", {"b": 20.0})))
+    failing = [sys.executable, "-c", "import sys; sys.exit(3)"]
+    lr_sweep.run(failing, folder, tmp_path, dry_run=False, methods=["a", "b"])  # "a" unfinished: runs again
+    printed = capsys.readouterr().out
+    assert "exit status 3" in printed and "before a finished" in printed and "Traceback" not in printed
+    lr_sweep.run(failing, folder, tmp_path, dry_run=False, methods=["b"])
+    assert "kept:" in capsys.readouterr().out
+    assert lr_sweep.read_summary(tmp_path / "never-ran", "valid")["methods"] == {}
+
+
 def test_lr_sweep_refuses_a_test_run_as_a_validation_run(tmp_path):
     import lr_sweep
 

@@ -88,6 +88,22 @@ def test_hetlora_prunes_a_device_whose_last_ranks_weigh_less_than_the_servers():
     assert rule.kept_rank(later, 0, f"{MODULE}.lora_A") <= 3  # a cut is for good
 
 
+def test_when_every_device_prunes_a_module_the_server_still_takes_full_rank_uploads():
+    """Regression: the server's matrices shrank to the largest *kept* rank, so once every
+    device had cut a module the full-rank uploads were rejected as the wrong shape."""
+    rule = HetLoRARule(ranks=(4, 4), pruning_strength=0.75)
+    slots = rule.aggregate(rule.initial_slots(), [_update(0, 4, seed=0), _update(1, 4, seed=1)])
+    faded = [_update(0, 4, seed=2), _update(1, 4, seed=3)]
+    for update in faded:
+        update.tensors[f"{MODULE}.lora_A"][3:] *= 1e-3
+    slots = rule.aggregate(slots, faded)
+    assert [rule.kept_rank(slots, d, f"{MODULE}.lora_A") for d in (0, 1)] == [3, 3]
+    assert slots[GLOBAL][f"{MODULE}.lora_A"].shape == (4, 6)
+    assert rule.reference(slots, 0)[f"{MODULE}.lora_A"].shape == (4, 6)
+    assert rule.reference(slots, 1)[f"{MODULE}.lora_B"].shape == (5, 4)
+    assert rule.message_for(slots, 0)[f"{MODULE}.lora_A"].shape == (3, 6)
+
+
 def test_hetlora_without_pruning_keeps_every_rank():
     rule = HetLoRARule(ranks=(4, 4))
     slots = rule.aggregate(rule.initial_slots(), [_update(0, 4, seed=0), _update(1, 4, seed=1)])

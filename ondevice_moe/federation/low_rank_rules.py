@@ -143,12 +143,14 @@ class HetLoRARule(_HeterogeneousRankRule):
             ranks.update(kept_ranks)
         return self._sparsity_weighted(pruned), ({RANKS: ranks} if self.pruning_strength is not None else {})
 
-    @staticmethod
-    def _sparsity_weighted(varying: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    def _sparsity_weighted(self, varying: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """The sparsity-weighted sum, zero-padded to the largest device rank: never to the largest
+        rank *kept* this round, which pruning can shrink below what the devices upload."""
         state = {}
         for name in sorted({name for tensors in varying for name in tensors}):
             held = [tensors[name].float() for tensors in varying if name in tensors]
             shape = tuple(max(t.shape[d] for t in held) for d in range(2))
+            shape = (max(self.ranks), shape[1]) if name.endswith(A) else (shape[0], max(self.ranks))
             norms = [float(torch.linalg.matrix_norm(t)) for t in held]
             weights = [n / sum(norms) for n in norms] if sum(norms) > 0 else [1.0 / len(held)] * len(held)
             summed = torch.zeros(shape)
