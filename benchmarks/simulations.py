@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 from ondevice_moe import runner
+from ondevice_moe.errors import UserError
 from ondevice_moe.recipe import load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,12 +30,17 @@ def parser(description: str, output: str) -> argparse.ArgumentParser:
 
 
 def run_variant(args: argparse.Namespace, label: str, overrides: list[str]) -> dict[str, dict]:
-    """Run the recipe with ``overrides`` into ``<output>/<label>``; ``{"<method>/<label>": summary entry}``."""
+    """Run the recipe with ``overrides`` into ``<output>/<label>``; ``{"<method>/<label>": summary entry}``.
+    A bad recipe or a method that fails stops the benchmark with the run's one-line error and fix
+    (no traceback); the folder keeps what finished, and the same command resumes it."""
     sizes = [f"federation.rounds={args.rounds}"] if args.rounds else []
     if args.iterations:
         sizes.append(f"federation.local_iterations={args.iterations}")
-    recipe = load_recipe(args.recipe, [*args.overrides, *overrides, *sizes])
-    result = runner.run_recipe(recipe, args.output / label)
+    try:
+        recipe = load_recipe(args.recipe, [*args.overrides, *overrides, *sizes])
+        result = runner.run_recipe(recipe, args.output / label)
+    except UserError as error:
+        raise SystemExit(f"error: {error.problem}" + (f"\nfix: {error.fix}" if error.fix else "")) from None
     return {f"{method}/{label}": entry for method, entry in result.summary["methods"].items()}
 
 

@@ -114,6 +114,17 @@ def test_transport_benchmark_runs_one_round_on_the_tiny_recipe(monkeypatch, tmp_
     assert "| comigs-1G1S/int8 |" in (tmp_path / "transport.md").read_text()
 
 
+def test_a_simulation_benchmark_stops_on_a_bad_recipe_with_one_message_not_a_traceback(monkeypatch, tmp_path):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import quantized_training
+
+    tiny = Path(__file__).parent / "recipes" / "tiny.yaml"
+    with pytest.raises(SystemExit) as stopped:
+        quantized_training.main(["--recipe", str(tiny), "--output", str(tmp_path), "--methods", "nosuchmethod"])
+    assert str(stopped.value).startswith("error: ") and "unknown method 'nosuchmethod'" in str(stopped.value)
+    assert "\nfix: " in str(stopped.value)
+
+
 def test_quantized_training_benchmark_compares_a_trained_nf4_base_with_the_float_one(monkeypatch, tmp_path,
                                                                                      saved_tiny_models):
     monkeypatch.syspath_prepend(str(BENCHMARKS))
