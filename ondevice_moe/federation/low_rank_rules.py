@@ -149,8 +149,8 @@ class HetLoRARule(_HeterogeneousRankRule):
         state = {}
         for name in sorted({name for tensors in varying for name in tensors}):
             held = [tensors[name].float() for tensors in varying if name in tensors]
-            shape = tuple(max(t.shape[d] for t in held) for d in range(2))
-            shape = (max(self.ranks), shape[1]) if name.endswith(A) else (shape[0], max(self.ranks))
+            top = max(self.ranks)
+            shape = (top, held[0].shape[1]) if name.endswith(A) else (held[0].shape[0], top)
             norms = [float(torch.linalg.matrix_norm(t)) for t in held]
             weights = [n / sum(norms) for n in norms] if sum(norms) > 0 else [1.0 / len(held)] * len(held)
             summed = torch.zeros(shape)
