@@ -564,12 +564,15 @@ class Recipe(_Section):
             m.name, hugging_face=not small_model, language_modelling=kind == LANGUAGE, private=self.privacy.enabled)]
         if problems:
             raise ValueError("; ".join(problems))
-        if self.model.quantization != "none":
-            whole = [m.name for m in built if m.procedure.full_finetune]
-            if whole:
-                raise ValueError(f"methods {whole} train every base weight, which a {self.model.quantization} "
-                                 "base cannot: quantized weights are frozen; drop them, give FLoRAL and Local "
-                                 "Adaptor entries `train_base: false`, or set model.quantization: none")
+        whole = [m.name for m in built if m.procedure.full_finetune]
+        way_out = "drop them, give FLoRAL and Local Adaptor entries `train_base: false`, or set"
+        if whole and self.model.quantization != "none":
+            raise ValueError(f"methods {whole} train every base weight, which a {self.model.quantization} "
+                             f"base cannot: quantized weights are frozen; {way_out} model.quantization: none")
+        if whole and self.model.dtype != "float32":
+            raise ValueError(f"methods {whole} train every base weight, which a {self.model.dtype} base "
+                             "holds too coarsely: an optimizer step below half a weight's spacing (in bfloat16 "
+                             f"1/256 to 1/512 of the weight) rounds away; {way_out} model.dtype: float32")
         if self.federation.aggregation != "mean":
             from ondevice_moe.federation.rules import ServerRule
 

@@ -188,3 +188,23 @@ def test_full_fine_tuning_on_a_quantized_base_is_refused():
         validate_recipe(raw)
     raw["methods"] = ["fed-lora"]
     assert validate_recipe(raw).model.quantization == "nf4"
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_full_fine_tuning_on_a_half_precision_base_is_refused_with_the_way_out(dtype):
+    # An AdamW step below half a bfloat16 weight's spacing rounds away: at lr 5e-5 about a third of
+    # 24 steps' movement survives, so FedFT would look worse than it is rather than fail.
+    from pathlib import Path
+
+    import yaml
+
+    from ondevice_moe.recipe import validate_recipe
+
+    raw = yaml.safe_load((Path(__file__).parent / "recipes" / "tiny-classification.yaml").read_text())
+    raw["model"]["dtype"] = dtype
+    raw["methods"] = ["fed-lora", "fed-ft"]
+    with pytest.raises(UserError, match=rf"\['fed-ft'\] train every base weight, which a {dtype} base.*"
+                                        r"model\.dtype: float32"):
+        validate_recipe(raw)
+    raw["methods"] = ["fed-lora"]
+    assert validate_recipe(raw).model.dtype == dtype
