@@ -373,8 +373,9 @@ class FederationSection(_Section):
     ``secure_aggregation``: ``none`` or ``secaggplus`` (Flower's SecAgg+, parameters
     under ``secaggplus``; :mod:`ondevice_moe.federation.secure_aggregation`); ``device_state``: where
     a device keeps its private tensors and optimiser state between rounds, ``memory``
-    (Flower's ``context.state``) or ``disk`` (a file per device in the run folder;
-    :mod:`ondevice_moe.federation.device_state`); ``messages_in_flight``: at most this many
+    (Flower's ``context.state``), ``disk`` (a file per device in the run folder;
+    :mod:`ondevice_moe.federation.device_state`) or ``auto`` (the default: memory, and disk for a
+    device whose state passes 64 MiB, as when a method trains the whole base); ``messages_in_flight``: at most this many
     messages out at a time, the next built and sent as a reply comes back (default: two per
     simulation worker; all at once under ``flwr run``;
     :mod:`ondevice_moe.federation.window`); ``aggregation``: ``mean`` (the method's rule), or a
@@ -399,7 +400,7 @@ class FederationSection(_Section):
     faults: list[FaultSection] = Field(default_factory=list)
     secure_aggregation: Literal["none", "secaggplus"] = "none"
     secaggplus: SecAggPlusSection = SecAggPlusSection()
-    device_state: Literal["memory", "disk"] = "memory"
+    device_state: Literal["auto", "memory", "disk"] = "auto"
     messages_in_flight: int | None = Field(None, ge=1)
     aggregation: Aggregation = "mean"
     trim_fraction: float = Field(0.2, ge=0, lt=0.5)

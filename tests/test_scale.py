@@ -89,17 +89,20 @@ def test_device_files_are_removed_once_the_method_ends(many_clients_run):
                for k in range(CLIENTS))
 
 
-@pytest.mark.parametrize("kind", ["memory", "disk"])
-def test_device_state_round_trips_and_costs_nothing_before_the_first_round(kind, tmp_path):
-    job = Job(load_recipe(TINY, [*MANY, f"federation.device_state={kind}"]), 0, tmp_path)
+@pytest.mark.parametrize("kind", ["memory", "disk", "auto-small", "auto-large"])
+def test_device_state_round_trips_and_costs_nothing_before_the_first_round(kind, tmp_path, monkeypatch):
+    if kind == "auto-large":  # a state past the limit, as a method training the whole base keeps
+        monkeypatch.setattr("ondevice_moe.federation.device_state.AUTO_DISK_BYTES", 1024)
+    job = Job(load_recipe(TINY, [*MANY, f"federation.device_state={kind.split('-')[0]}"]), 0, tmp_path)
     state = RecordDict()
     assert load_device_state(state, with_optimizer=True) == ({}, None) and len(state) == 0
     trainer = dev.restore_trainer(job, 1, None, state)
     dev.run_local_procedure(job, 1, trainer, seed=0)
     dev.save_private_state(job, 1, trainer, state)
     assert list(state) == [STATE_KEY]
-    if kind == "disk":
-        assert set(state[STATE_KEY]) == {"path"}, "context.state only names the device's file"
+    on_disk = kind in ("disk", "auto-large")
+    assert (set(state[STATE_KEY]) == {"path"}) == on_disk, "context.state only names the device's file"
+    assert (state_folder(job) / "device_1.safetensors").is_file() == on_disk
     private = private_tensors(state)
     assert private and set(private) == {name for name in trainable_state(trainer.model)
                                         if job.method.role_of(name) is Role.PRIVATE}

@@ -11,6 +11,10 @@ tensors (all trained tensors under ``sharing.devices_keep_models``) and its opti
 * ``disk``: in one safetensors file per device under ``<run folder>/device_state/<method>/``
   (a phone's own storage), ``context.state`` naming the file. The driver's memory then stays
   flat however many devices have trained, and an evaluation reads the private tensors only.
+* ``auto`` (the default): ``memory`` for a device whose state is at most :data:`AUTO_DISK_BYTES`,
+  ``disk`` above it. A method that trains the whole base keeps two AdamW moments per base weight
+  (1 GiB per device for SmolLM2-135M in float32), which the driver would otherwise hold for
+  every device that trained.
 
 Either way the tensors are stored as they are and the rest of the optimisers' state (steps,
 hyperparameters, the scheduler) as JSON beside them: no pickle (``torch.save`` of an optimiser's
@@ -36,6 +40,7 @@ STATE_KEY = "device-state"
 METHOD_KEY = "device-method"  # the method whose state ``context.state`` holds
 PRIVATE = "private/"
 OPTIMIZER = "optimizer"
+AUTO_DISK_BYTES = 64 * 2**20  # ``device_state: auto`` keeps a larger state on disk
 
 
 def enter_method(job: Job, context: Context) -> None:
@@ -73,13 +78,20 @@ def save_device_state(job: Job, device: int, private: dict[str, torch.Tensor], o
     tensors = {PRIVATE + name: tensor for name, tensor in private.items()}
     layout = json.dumps(_skeleton(optimizer, OPTIMIZER, tensors))
     tensors = {name: tensor.detach().contiguous() for name, tensor in tensors.items()}
-    if job.recipe.federation.device_state == "disk":
+    if _on_disk(job.recipe.federation.device_state, tensors):
         path = state_folder(job) / f"device_{device}.safetensors"
         path.parent.mkdir(parents=True, exist_ok=True)
         save_file(tensors, str(path), metadata={"layout": layout})
         state[STATE_KEY] = ConfigRecord({"path": str(path)})
     else:
         state[STATE_KEY] = ConfigRecord({"tensors": save(tensors), "layout": layout})
+
+
+def _on_disk(mode: str, tensors: dict[str, torch.Tensor]) -> bool:
+    """Whether ``federation.device_state: mode`` keeps these tensors in a file."""
+    if mode == "auto":
+        return sum(t.numel() * t.element_size() for t in tensors.values()) > AUTO_DISK_BYTES
+    return mode == "disk"
 
 
 def load_device_state(state: RecordDict, with_optimizer: bool) -> tuple[dict[str, torch.Tensor], dict | None]:
