@@ -1,13 +1,15 @@
 """One device of five lies; the server's checks and its robust aggregation choices hold the line.
 
 The liar runs the real ClientApp and then tampers with its reply before it reaches the server:
-a huge example count on a sign-flipped update, a magnified update, a sign flip, or a dtype the
-global should never take. The honest devices' own uploads are captured on the way, so the global
-after the round is compared with their mean. ``python tests/test_lying_devices.py`` prints the
-whole table (every aggregation choice against every lie)."""
+a huge example count on a sign-flipped update, a magnified update, a sign flip, a dtype the
+global should never take, or a packed record whose index lies about its buffer. The honest
+devices' own uploads are captured on the way, so the global after the round is compared with
+their mean. ``python tests/test_lying_devices.py`` prints the whole table (every aggregation
+choice against every lie)."""
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 from pathlib import Path
@@ -20,6 +22,7 @@ from flwr.app import ArrayRecord, MetricRecord
 from ondevice_moe import runner
 from ondevice_moe.federation import server_app
 from ondevice_moe.federation.job import JOB_ENV, Job
+from ondevice_moe.federation.wire import BUFFER_KEY, INDEX_KEY, pack, unpack
 from ondevice_moe.recipe import validate_recipe
 from ondevice_moe.report import MetricsLog
 
@@ -33,6 +36,19 @@ LIES = {
     "sign-flip": lambda tensors: {name: -t for name, t in tensors.items()},
     "dtype": lambda tensors: {name: t.to(torch.int8) for name, t in tensors.items()},
 }
+
+
+def forged_index(tensors: dict[str, torch.Tensor]) -> ArrayRecord:
+    """The honest upload packed, its index claiming a first tensor 1,000 times its size."""
+    record = pack(tensors)
+    entries = json.loads(record[INDEX_KEY].numpy().tobytes())
+    entries[0][2] = [1000, *entries[0][2]]
+    text = json.dumps(entries).encode()
+    return ArrayRecord({INDEX_KEY: torch.frombuffer(bytearray(text), dtype=torch.uint8),
+                        BUFFER_KEY: torch.from_numpy(record[BUFFER_KEY].numpy())})
+
+
+FORGERIES = {"forged-index": forged_index}
 CHOICES = ("mean", "median", "trimmed-mean", "krum")
 
 
@@ -50,11 +66,12 @@ class LyingGrid(InProcessGrid):
             if reply.metadata.message_type != "train" or reply.has_error():
                 continue
             device = int(self.contexts[reply.metadata.src_node_id].node_config["partition-id"])
-            tensors = reply.content["arrays"].to_torch_state_dict()
+            tensors = unpack(reply.content["arrays"])
             if device != LIAR:
                 self.honest[device] = tensors
                 continue
-            reply.content["arrays"] = ArrayRecord(LIES[self.lie](tensors))
+            forge = FORGERIES.get(self.lie)
+            reply.content["arrays"] = forge(tensors) if forge else pack(LIES[self.lie](tensors))
             if self.lie == "count":
                 metrics = dict(reply.content["metrics"])
                 reply.content["metrics"] = MetricRecord({**metrics, "num-examples": 10**6})
@@ -76,7 +93,7 @@ def lying_round(root: Path, aggregation: str, lie: str) -> tuple[float, list[int
         patch.setenv(JOB_ENV, str(job.to_file(root / ".job.json").resolve()))
         server_app.run_federation(grid, job, MetricsLog(root / "metrics.jsonl"))
     evaluation = next(m for m in grid.sent if m.metadata.message_type == "evaluate")
-    global_ = evaluation.content["arrays"].to_torch_state_dict()
+    global_ = unpack(evaluation.content["arrays"])
     honest = list(grid.honest.values())
     mean = {name: torch.stack([h[name].double() for h in honest]).mean(0) for name in global_}
 
@@ -106,6 +123,14 @@ def test_a_dtype_lie_is_rejected_and_the_mean_is_the_honest_one(tmp_path):
     assert honest_dropped == [] and relative < 1e-6
     drops = [r for r in MetricsLog(tmp_path / "metrics.jsonl").read() if r["kind"] == "drop"]
     assert [r["device"] for r in drops] == [LIAR] and "torch.int8, expected torch.float32" in drops[0]["reason"]
+
+
+def test_a_forged_pack_index_is_a_malformed_reply_and_the_mean_is_the_honest_one(tmp_path):
+    relative, honest_dropped = lying_round(tmp_path, "mean", "forged-index")
+    assert honest_dropped == [] and relative < 1e-6
+    drops = [r for r in MetricsLog(tmp_path / "metrics.jsonl").read() if r["kind"] == "drop"]
+    assert [r["device"] for r in drops] == [LIAR] and "malformed reply" in drops[0]["reason"]
+    assert "the packed index describes" in drops[0]["reason"]
 
 
 def test_robust_aggregation_is_refused_for_rules_that_are_no_plain_mean():

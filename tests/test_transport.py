@@ -12,7 +12,8 @@ from ondevice_moe.errors import UserError
 from ondevice_moe.federation.aggregation import Update
 from ondevice_moe.federation.faults import poison
 from ondevice_moe.federation.strategy import decode_update
-from ondevice_moe.federation.transport import SCALE_SUFFIX, decode, encode, record_bytes
+from ondevice_moe.federation.transport import SCALE_SUFFIX, decode, encode
+from ondevice_moe.federation.wire import pack, record_bytes, unpack
 from ondevice_moe.recipe import load_recipe
 
 TINY = Path(__file__).parent / "recipes" / "tiny.yaml"
@@ -25,8 +26,8 @@ def _tensors() -> dict[str, torch.Tensor]:
 
 
 def _round_trip(tensors: dict[str, torch.Tensor], kind: str) -> dict[str, torch.Tensor]:
-    """Encode, travel through a Flower ArrayRecord, decode."""
-    return decode(ArrayRecord(encode(tensors, kind)).to_torch_state_dict(), kind)
+    """Encode, travel packed in a Flower ArrayRecord, decode."""
+    return decode(unpack(pack(encode(tensors, kind))), kind)
 
 
 def test_fp32_is_the_identity():
@@ -75,9 +76,10 @@ def test_all_zero_and_integer_tensors_travel_exactly(kind):
 
 def test_int8_upload_takes_a_quarter_of_the_bytes_plus_scales():
     tensors = _tensors()
-    fp32 = record_bytes(ArrayRecord(encode(tensors, "fp32")))
-    assert record_bytes(ArrayRecord(encode(tensors, "int8"))) == fp32 // 4 + 4 * len(tensors)
-    assert record_bytes(ArrayRecord(encode(tensors, "bf16"))) == fp32 // 2
+    fp32 = record_bytes(pack(encode(tensors, "fp32")))
+    assert fp32 == 4 * sum(t.numel() for t in tensors.values()) == record_bytes(ArrayRecord(encode(tensors, "fp32")))
+    assert record_bytes(pack(encode(tensors, "int8"))) == fp32 // 4 + 4 * len(tensors)
+    assert record_bytes(pack(encode(tensors, "bf16"))) == fp32 // 2
 
 
 def test_wrong_or_incomplete_uploads_are_rejected():

@@ -26,7 +26,7 @@ import zlib
 from logging import ERROR
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.supercore import log as flwr_log
 
@@ -39,6 +39,7 @@ from ondevice_moe.federation.node import REFUSED
 from ondevice_moe.federation.privacy import noise_generator, privatize
 from ondevice_moe.federation.secure_aggregation import secure_aggregation_mod
 from ondevice_moe.federation.transport import decode, encode
+from ondevice_moe.federation.wire import pack, unpack
 
 app = ClientApp(mods=[secure_aggregation_mod, fault_mod])
 
@@ -56,17 +57,13 @@ def _stored_state(job: Job, context: Context) -> dict[str, int]:
     return {"resumed_round": resumed} if resumed else {}
 
 
-def _tensors(arrays: ArrayRecord | None) -> dict[str, torch.Tensor] | None:
-    return arrays.to_torch_state_dict() if arrays is not None and len(arrays) > 0 else None
-
-
-def _received(job: Job, msg: Message) -> ArrayRecord | None:
-    """The shared tensors the server sent, decoded (``federation.transport``)."""
+def _received(job: Job, msg: Message) -> dict[str, torch.Tensor] | None:
+    """The shared tensors the server sent, unpacked and decoded (``federation.transport``); ``None``
+    where it sent none."""
     arrays = msg.content.array_records.get("arrays")
-    kind = job.recipe.federation.transport
-    if arrays is None or kind == "fp32":
-        return arrays
-    return ArrayRecord(decode(arrays.to_torch_state_dict(), kind))
+    if arrays is None or len(arrays) == 0:
+        return None
+    return decode(unpack(arrays), job.recipe.federation.transport)
 
 
 NOISE_SECRET = "noise-secret"
@@ -123,7 +120,7 @@ def train(msg: Message, context: Context) -> Message:
     procedure = job.method.procedure
     server_round = int(msg.content["config"]["server-round"])
     trainer = dev.restore_trainer(job, device, arrays if procedure.loads_received else None, context.state)
-    chosen = procedure.begin_round(dev.JobDevice(job, device, context.state), trainer, _tensors(arrays), server_round)
+    chosen = procedure.begin_round(dev.JobDevice(job, device, context.state), trainer, arrays, server_round)
     privacy = job.recipe.privacy
     start = dev.travelling_state(job, trainer) if privacy.enabled else {}
     seed = dev.device_seed(job, device)
@@ -140,8 +137,7 @@ def train(msg: Message, context: Context) -> Message:
         tensors, figures = privatize(start, tensors, privacy, noise_generator(noise_seed(job, context), device,
                                                                               server_round))
         metrics.update(figures)
-    wire = ArrayRecord(encode(tensors, job.recipe.federation.transport))
-    content = RecordDict({"arrays": wire})
+    content = RecordDict({"arrays": pack(encode(tensors, job.recipe.federation.transport))})
     for key, values in records.items():
         content[key] = MetricRecord(values)
     content["metrics"] = MetricRecord({**metrics, **handler_figures(started)})
@@ -157,7 +153,7 @@ def evaluate(msg: Message, context: Context) -> Message:
     arrays = _received(job, msg)
     loads = job.method.procedure.loads_received
     model = dev.restore_model(job, device, arrays if loads else None, context.state)
-    scores = prepare_test(job, device, model, None if loads else _tensors(arrays), context.state)
+    scores = prepare_test(job, device, model, None if loads else arrays, context.state)
     metrics = {**evaluate_device(job, device, model, context.state), **scores}
     metrics["device"] = device
     if msg.content["config"].get("final", False) and job.method.trains:

@@ -6,13 +6,13 @@ the server plus private state kept by :mod:`~ondevice_moe.federation.device_stat
 from __future__ import annotations
 
 import copy
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
 import torch
-from flwr.app import ArrayRecord, RecordDict
+from flwr.app import RecordDict
 from torch import nn
 
 from ondevice_moe.data.blocks import BlockExamples
@@ -220,14 +220,16 @@ def head_paths(model: nn.Module) -> tuple[str, ...]:
                  if name in ("classifier", "score") or name.endswith(".pooler"))
 
 
-def restore_model(job: Job, device: int, shared: ArrayRecord | None, state: RecordDict) -> nn.Module:
+def restore_model(job: Job, device: int, shared: Mapping[str, torch.Tensor] | None,
+                  state: RecordDict) -> nn.Module:
     """The device's model to evaluate: fresh experts, then its private tensors, then the server's."""
     model = build_model(job, device)
     _load_tensors(job.method, model, device_state.private_tensors(state), shared)
     return model
 
 
-def restore_trainer(job: Job, device: int, shared: ArrayRecord | None, state: RecordDict) -> DeviceTrainer:
+def restore_trainer(job: Job, device: int, shared: Mapping[str, torch.Tensor] | None, state: RecordDict
+                    ) -> DeviceTrainer:
     """Rebuild the device's trainer: fresh experts, then private state, then the server's tensors."""
     model = build_model(job, device)
     if job.recipe.model.activation_checkpointing:
@@ -240,13 +242,13 @@ def restore_trainer(job: Job, device: int, shared: ArrayRecord | None, state: Re
     return trainer
 
 
-def _load_tensors(method: Method, model: nn.Module, private: dict[str, torch.Tensor], shared: ArrayRecord | None
-                  ) -> None:
+def _load_tensors(method: Method, model: nn.Module, private: dict[str, torch.Tensor],
+                  shared: Mapping[str, torch.Tensor] | None) -> None:
     """Load a device's private tensors, then the server's shared ones (fitted to the model by the
     method's procedure), into ``model``."""
     tensors = dict(private)
-    if shared is not None and len(shared) > 0:
-        tensors.update(shared.to_torch_state_dict())
+    if shared:
+        tensors.update(shared)
     if tensors:
         tensors = method.procedure.fit_received(model, tensors)
         check_received(model.state_dict(), tensors)

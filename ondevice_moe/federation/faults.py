@@ -19,10 +19,11 @@ from __future__ import annotations
 import time
 
 import torch
-from flwr.app import ArrayRecord, Context, Message, MessageType
+from flwr.app import Context, Message, MessageType
 from flwr.clientapp.typing import ClientAppCallable
 
 from ondevice_moe.federation.job import job_from_context
+from ondevice_moe.federation.wire import pack, unpack
 from ondevice_moe.recipe import FaultSection
 
 FAULT_TENSOR = "fault/extra"  # the name a corrupted upload uses when the device shares nothing
@@ -47,12 +48,12 @@ def fault_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> M
             time.sleep(fault.delay_s)
     reply = call_next(msg, context)
     if kinds & {"nan", "wrong-shape"} and not reply.has_error():
-        tensors = dict(reply.content["arrays"].to_torch_state_dict())
+        tensors = unpack(reply.content["arrays"])
         if "nan" in kinds:
             tensors = poison(tensors)
         if "wrong-shape" in kinds:
             tensors = misshape(tensors)
-        reply.content["arrays"] = ArrayRecord(tensors)
+        reply.content["arrays"] = pack(tensors)
     return reply
 
 

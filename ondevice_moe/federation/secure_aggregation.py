@@ -59,6 +59,7 @@ from flwr.server.workflow.constant import Key as WorkflowKey
 from flwr.serverapp import Grid
 
 from ondevice_moe.federation.job import job_from_context
+from ondevice_moe.federation.wire import unpack
 from ondevice_moe.recipe import FederationSection
 
 # Legacy FitIns carry unnamed arrays and scalar configs only: these name lists travel as one
@@ -163,7 +164,7 @@ def secure_round(grid: Grid, messages: dict[int, Message], reference: dict[str, 
     names = sorted(reference)
     instructions = []
     for node, message in messages.items():
-        arrays = message.content["arrays"]
+        arrays = unpack(message.content["arrays"])
         sent = sorted(arrays)
         config = {**message.content["config"], SENT_KEY: "\n".join(sent), UPLOAD_KEY: "\n".join(names)}
         parameters = ndarrays_to_parameters([arrays[name].numpy() for name in sent])
@@ -230,7 +231,7 @@ def secure_aggregation_mod(msg: Message, context: Context, call_next: ClientAppC
         if reply.has_error():
             raise RuntimeError(reply.error.reason)
         metrics = _pack_lists(reply.content["metrics"])
-        upload = reply.content["arrays"]
+        upload = unpack(reply.content["arrays"])
         weighting = job_from_context(context).recipe.federation.weighting
         weight = int(metrics["num-examples"]) if weighting == "num_examples" else 1
         fitres = FitRes(Status(Code.OK, ""), ndarrays_to_parameters([upload[name].numpy() for name in names]),

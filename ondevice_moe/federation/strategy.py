@@ -53,7 +53,8 @@ from ondevice_moe.federation.privacy import noise_std
 from ondevice_moe.federation.robust import robust_updates
 from ondevice_moe.federation.rules import Slots
 from ondevice_moe.federation.secure_aggregation import SecureRound, secure_round
-from ondevice_moe.federation.transport import Transport, decode, encode, record_bytes
+from ondevice_moe.federation.transport import Transport, decode, encode
+from ondevice_moe.federation.wire import pack, record_bytes, unpack
 from ondevice_moe.methods.base import is_expert_tensor
 from ondevice_moe.recipe import FederationSection
 from ondevice_moe.report import MetricsLog
@@ -490,8 +491,7 @@ class SlotStrategy(Strategy):
 
     def _message(self, device: int, kind: str, server_round: int, final: bool) -> Message:
         train_round = server_round if kind == MessageType.TRAIN else None
-        arrays = ArrayRecord(encode(self.rule.message_for(self.slots, device, train_round),
-                                    self.federation.transport))
+        arrays = pack(encode(self.rule.message_for(self.slots, device, train_round), self.federation.transport))
         config = ConfigRecord({"server-round": server_round, "final": final, "method": self.job.method_index})
         return Message(RecordDict({"arrays": arrays, "config": config}), dst_node_id=self.nodes[device],
                        message_type=kind, group_id=str(server_round))
@@ -523,7 +523,7 @@ class SlotStrategy(Strategy):
             examples = metrics["num-examples"]
             if isinstance(examples, bool) or not float(examples).is_integer():
                 raise ValueError(f"num-examples {examples!r} is not a whole number")
-            update = Update(device, dict(arrays.to_torch_state_dict()), int(examples), usage, mixture)
+            update = Update(device, unpack(arrays), int(examples), usage, mixture)
         except (KeyError, TypeError, ValueError, OverflowError) as error:
             return Update(device, {}, 0), {}, 0, f"malformed reply ({type(error).__name__}: {error})"
         size = record_bytes(arrays) + sum(content[key].count_bytes() for key in ("usage", "mixture") if key in content)

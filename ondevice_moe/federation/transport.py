@@ -13,20 +13,18 @@ tensors *encoded* for the wire; each side decodes what it receives before use:
 
 Integer tensors (HetLoRA's kept ranks) travel as they are under every kind.
 Byte counts (``bytes_up``/``bytes_down`` in ``metrics.jsonl``) are those of the
-encoded arrays, scales included. The server averages decoded values and
-encodes what it sends down the same way, so it never learns more than was sent.
+encoded arrays, scales included (:func:`~ondevice_moe.federation.wire.record_bytes`). The
+server averages decoded values and encodes what it sends down the same way, so it never
+learns more than was sent.
 Encoding is deterministic (round half to even), so a resumed run repeats it.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Literal
 
-import numpy as np
 import torch
-from flwr.app import ArrayRecord
 
 Transport = Literal["fp32", "bf16", "fp16", "int8"]
 SCALE_SUFFIX = "::scale"
@@ -92,10 +90,3 @@ def _decode_one(name: str, array: torch.Tensor, wire: Mapping[str, torch.Tensor]
     if scale is None or scale.numel() != 1 or scale.dtype != torch.float32:
         raise ValueError(f"{name} travelled without a float32 scalar {name}{SCALE_SUFFIX}")
     return array.float() * scale.reshape(())
-
-
-
-def record_bytes(record: ArrayRecord) -> int:
-    """The bytes of the tensors in ``record`` (as counted in ``bytes_up`` / ``bytes_down``), from each
-    array's dtype and shape: nothing is deserialised."""
-    return sum(np.dtype(array.dtype).itemsize * math.prod(array.shape) for array in record.values())
