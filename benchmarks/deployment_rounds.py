@@ -61,12 +61,27 @@ def finetune_command(args, output: Path, federation: str | None) -> list[str]:
     return command + (["--federation", federation] if federation else [])
 
 
+def finetune(command: list[str], mode: str, output: Path, env: dict[str, str] | None = None) -> None:
+    """Run ``command``; if it fails, stop the benchmark with what it said from its first ``error:``
+    line on (or the method's error in the run folder), not a traceback."""
+    done = subprocess.run(command, capture_output=True, text=True, env=env)
+    if done.returncode == 0:
+        return
+    said = (done.stdout + done.stderr).splitlines()
+    start = next((i for i, line in enumerate(said) if line.startswith("error:")), None)
+    log = output / "metrics.jsonl"
+    errors = [r["message"] for r in MetricsLog(log).read() if r["kind"] == "error"] if log.exists() else []
+    reason = ("\n".join(said[start:start + 12]) if start is not None
+              else f"error: {errors[-1]}" if errors else f"error: exit status {done.returncode}")
+    raise SystemExit(f"{reason}\n(the {mode} run; its folder: {output})")
+
+
 def run_mode(args, mode: str, devices: int) -> dict[str, object]:
     """Run the recipe one way; its timing and results from the run folder."""
     output = args.output / mode.replace(" + ", "-")
     started = time.perf_counter()
     if mode == "simulation":
-        subprocess.run(finetune_command(args, output, None), check=True, capture_output=True)
+        finetune(finetune_command(args, output, None), mode, output)
     else:
         with tempfile.TemporaryDirectory(prefix="ondevice-moe-deployment-") as folder:
             federation = LocalFederation(Path(folder))
@@ -75,8 +90,7 @@ def run_mode(args, mode: str, devices: int) -> dict[str, object]:
                 for device in range(devices):
                     federation.start_supernode(device, None, warm=mode.endswith("device"))
                 federation.connection_config(Path(folder) / "cli", CONNECTION)
-                subprocess.run(finetune_command(args, output, CONNECTION), check=True, capture_output=True,
-                               env=environment(Path(folder) / "cli"))
+                finetune(finetune_command(args, output, CONNECTION), mode, output, environment(Path(folder) / "cli"))
             finally:
                 federation.stop()
     wall = time.perf_counter() - started

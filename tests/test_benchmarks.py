@@ -125,6 +125,18 @@ def test_a_simulation_benchmark_stops_on_a_bad_recipe_with_one_message_not_a_tra
     assert "\nfix: " in str(stopped.value)
 
 
+def test_the_deployment_benchmark_stops_on_a_failed_run_with_its_error_not_a_traceback(monkeypatch, tmp_path):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import deployment_rounds
+
+    tiny = Path(__file__).parent / "recipes" / "tiny.yaml"
+    with pytest.raises(SystemExit) as stopped:
+        deployment_rounds.main(["--recipe", str(tiny), "--output", str(tmp_path), "--modes", "simulation",
+                                "--methods", "nosuchmethod"])
+    assert str(stopped.value).startswith("error: ") and "unknown method 'nosuchmethod'" in str(stopped.value)
+    assert "(the simulation run; its folder: " in str(stopped.value)
+
+
 def test_quantized_training_benchmark_compares_a_trained_nf4_base_with_the_float_one(monkeypatch, tmp_path,
                                                                                      saved_tiny_models):
     monkeypatch.syspath_prepend(str(BENCHMARKS))
