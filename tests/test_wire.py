@@ -29,13 +29,17 @@ def test_every_dtype_and_shape_travels_exactly_in_one_buffer():
     record = pack(tensors)
     assert set(record) == {INDEX_KEY, BUFFER_KEY}
     back = unpack(record)
-    assert list(back) == list(tensors)
+    assert set(back) == set(tensors)
+    sizes = [back[name].element_size() for name in back]
+    assert sizes == sorted(sizes, reverse=True)  # laid out by element size: every tensor a view, no copy
+    assert len({t.untyped_storage().data_ptr() for t in back.values()}) == 1
     for name, tensor in tensors.items():
         assert back[name].dtype == tensor.dtype and back[name].shape == tensor.shape
         assert torch.equal(back[name], tensor), name
     assert record_bytes(record) == sum(t.numel() * t.element_size() for t in tensors.values())
-    back["lora_A"] += 1  # each unpacked tensor owns its memory
+    back["lora_A"] += 1  # the views share one buffer of this unpacking, not the record's bytes
     assert torch.equal(unpack(record)["lora_A"], tensors["lora_A"])
+    assert torch.equal(back["lora_B.bf16"], tensors["lora_B.bf16"])
 
 
 def _flower_objects(record: ArrayRecord) -> int:
@@ -75,8 +79,10 @@ def _forged(entries: object, buffer: torch.Tensor | None = None, raw: bytes | No
     (_forged([["a", "float32", [2]], ["a", "float32", [2]]]), "travelled twice"),
     (_forged([["a", "float32", [10**12]]]), "describes 4000000000000 bytes, the buffer holds 16"),
     (_forged([["a", "float32", [4]]], buffer=torch.zeros(4)), "not bytes"),
+    (_forged([["a", "int8", [2]], ["b", "float32", [3]], ["c", "int16", [1]]]), "lies after a narrower dtype"),
+    (_forged([["m", "bool", [16]]], buffer=torch.full((16,), 7, dtype=torch.uint8)), "bytes other than 0 and 1"),
 ], ids=["not-json", "not-a-list", "short-entry", "unknown-dtype", "negative-shape", "fractional-shape",
-        "duplicate", "too-large", "float-buffer"])
+        "duplicate", "too-large", "float-buffer", "misaligned", "bool-bytes"])
 def test_a_crafted_index_is_one_clear_error(record, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
         unpack(record)

@@ -7,7 +7,10 @@ object by object after 1, 2, 4, 8 and 10 s. The shared experts of a SmolLM2 FedA
 600 tensors: 1,204 objects per message, and pulling one reply took the ServerApp 3.7–6 s with
 every object in place (27.8 s when 7 were not yet there), a SuperNode 19–21 s for an evaluation
 message (docs/deployment.md, "Measured"). Packed, a message is the index (names, dtypes and
-shapes, as JSON) and one buffer of every tensor's bytes back to back: a handful of objects.
+shapes, as JSON) and one buffer of every tensor's bytes back to back: a handful of objects. The
+tensors lie in the buffer by element size, largest first, so each starts at a multiple of its own
+element size and unpacks as a view of the buffer, without a copy (a whole model's upload is
+hundreds of MB).
 
 :func:`unpack` takes what a peer sent, so it trusts nothing in it: an index that is not a list of
 ``[name, dtype, shape]`` with known dtypes, whole non-negative sizes and distinct names, or whose
@@ -37,7 +40,7 @@ def pack(tensors: Mapping[str, torch.Tensor]) -> ArrayRecord:
     if not tensors:
         return ArrayRecord()
     index, parts = [], []
-    for name, tensor in tensors.items():
+    for name, tensor in sorted(tensors.items(), key=lambda item: -item[1].element_size()):
         dtype = str(tensor.dtype).removeprefix("torch.")
         if dtype not in DTYPES:
             raise ValueError(f"{name} is a {dtype} tensor, which does not travel; use one of {sorted(DTYPES)}")
@@ -48,7 +51,7 @@ def pack(tensors: Mapping[str, torch.Tensor]) -> ArrayRecord:
 
 
 def unpack(record: ArrayRecord) -> dict[str, torch.Tensor]:
-    """The tensors ``record`` carries, each in its own memory; see the module docstring."""
+    """The tensors ``record`` carries (views of one buffer of their own); see the module docstring."""
     if set(record) != {INDEX_KEY, BUFFER_KEY}:
         return dict(record.to_torch_state_dict())
     arrays = record.to_torch_state_dict()
@@ -61,7 +64,10 @@ def unpack(record: ArrayRecord) -> dict[str, torch.Tensor]:
         raise ValueError(f"the packed index describes {sum(sizes)} bytes, the buffer holds {buffer.numel()}")
     tensors, offset = {}, 0
     for (name, dtype, shape), size in zip(entries, sizes, strict=True):
-        tensors[name] = buffer[offset:offset + size].clone().view(DTYPES[dtype]).reshape(shape)
+        piece = buffer[offset:offset + size]
+        if DTYPES[dtype] == torch.bool and bool((piece > 1).any()):
+            raise ValueError(f"{name} is a bool tensor holding bytes other than 0 and 1")
+        tensors[name] = piece.view(DTYPES[dtype]).reshape(shape)
         offset += size
     return tensors
 
@@ -83,7 +89,7 @@ def _index(array: torch.Tensor) -> list[tuple[str, str, list[int]]]:
     if not isinstance(entries, list):
         raise ValueError("the packed index is not a list of [name, dtype, shape]")
     names: set[str] = set()
-    for entry in entries:
+    for position, entry in enumerate(entries):
         if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str)
                 and isinstance(entry[2], list)):
             raise ValueError(f"the packed index entry {str(entry)[:80]} is not [name, dtype, shape]")
@@ -94,5 +100,8 @@ def _index(array: torch.Tensor) -> list[tuple[str, str, list[int]]]:
             raise ValueError(f"{name} has the shape {str(shape)[:80]}, not whole non-negative sizes")
         if name in names:
             raise ValueError(f"{name} travelled twice")
+        if position and DTYPES[dtype].itemsize > DTYPES[entries[position - 1][1]].itemsize:
+            raise ValueError(f"{name} ({dtype}) lies after a narrower dtype: the buffer is not laid out by "
+                             "element size")
         names.add(name)
     return entries
