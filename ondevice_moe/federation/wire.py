@@ -13,8 +13,9 @@ element size and unpacks as a view of the buffer, without a copy (a whole model'
 hundreds of MB).
 
 :func:`unpack` takes what a peer sent, so it trusts nothing in it: an index that is not a list of
-``[name, dtype, shape]`` with known dtypes, whole non-negative sizes and distinct names, or whose
-sizes do not add up to the buffer's, is a :class:`ValueError` saying which. A record that is not
+``[name, dtype, shape]`` with known dtypes, whole non-negative sizes and distinct names, laid out
+by element size, whose sizes do not add up to the buffer's, or a bool tensor of other bytes than 0
+and 1, is a :class:`ValueError` saying which. A record that is not
 packed (Flower's SecAgg+ workflow hands the handler its own) unpacks to its arrays as they are.
 """
 
