@@ -150,17 +150,18 @@ def measure_memory(build: Callable[[], Configuration], device: torch.device) -> 
 def _resident_mib(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.memory_allocated(device) / 2**20
-    return _proc_status_mib("VmRSS")
+    return process_status_mib("VmRSS")
 
 
 def _peak_mib(device: torch.device) -> float:
     """Peak of this process. Not ``ru_maxrss``: Linux carries it over from the parent across fork and exec."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
-    return _proc_status_mib("VmHWM")
+    return process_status_mib("VmHWM")
 
 
-def _proc_status_mib(field: str) -> float:
+def process_status_mib(field: str) -> float:
+    """A memory field of this process's ``/proc/self/status`` (``VmRSS``, ``VmHWM``), in MiB."""
     with open("/proc/self/status", encoding="utf-8") as handle:
         for line in handle:
             if line.startswith(f"{field}:"):

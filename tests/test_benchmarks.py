@@ -244,3 +244,15 @@ def test_profile_top_counts_a_frame_once_per_sample_and_keeps_only_matching_file
              "a line py-spy did not write"]
     frames = dict(profile_top.top_frames(lines, rate=10, match=["ondevice_moe/"], top=5))
     assert frames == {"main (ondevice_moe/cli.py:1)": 4.0, "step (ondevice_moe/training.py:9)": 3.0}
+
+
+def test_server_reference_benchmark_builds_both_sides_and_checks_they_agree(monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import server_reference
+
+    recipe = str(Path(__file__).parent / "recipes" / "tiny.yaml")
+    figures = server_reference.main(["--recipe", recipe, "--method", "1", "--repeats", "1"])
+    assert figures["method"] == "fedavg" and figures["tensors"] > 0
+    assert all(figures["seconds"][side] > 0 for side in server_reference.SIDES)
+    assert math.isfinite(figures["time_ratio"]) and figures["memory_ratio"] >= 0
+    assert "added peak memory (MiB)" in capsys.readouterr().out

@@ -26,7 +26,7 @@ from ondevice_moe.federation.job import Job
 from ondevice_moe.federation.node import FIX
 from ondevice_moe.layout import attach_layout, hermes_routers
 from ondevice_moe.methods import Method, Role
-from ondevice_moe.models import LoadedModel, load_base_model
+from ondevice_moe.models import LoadedModel, load_base_model, load_base_structure
 from ondevice_moe.models.checkpointing import enable_activation_checkpointing
 from ondevice_moe.names import folder_name
 from ondevice_moe.recipe import SourceSection
@@ -44,6 +44,15 @@ def base_model(name: str, dtype: str, quantization: str, num_labels: int | None,
                            input_shape=input_shape, model_options=small_model_options(bias))
 
 
+@lru_cache(maxsize=2)
+def base_structure(name: str, dtype: str, num_labels: int | None, seed: int, regression: bool | None = None,
+                   input_shape: tuple[int, ...] | None = None, bias: bool = True) -> nn.Module:
+    """The base model without its weights (:func:`~ondevice_moe.models.registry.load_base_structure`),
+    built once per process."""
+    return load_base_structure(name, dtype, num_labels, seed, regression=regression, input_shape=input_shape,
+                               model_options=small_model_options(bias))
+
+
 def small_model_options(bias: bool) -> dict[str, object] | None:
     """The small models' options a recipe sets (``model.bias``)."""
     return None if bias else {"bias": False}
@@ -51,11 +60,23 @@ def small_model_options(bias: bool) -> dict[str, object] | None:
 
 def job_base_model(job: Job) -> LoadedModel:
     model = job.recipe.model
+    num_labels, seed, regression, input_shape, bias = _base_options(job)
+    return base_model(model.name, model.dtype, model.quantization, num_labels, seed, model.device,
+                      regression, input_shape, bias)
+
+
+def job_base_structure(job: Job) -> nn.Module:
+    """The job's base model as names, shapes and dtypes only: what the server needs of it."""
+    model = job.recipe.model
+    return base_structure(model.name, model.dtype, *_base_options(job))
+
+
+def _base_options(job: Job) -> tuple[int | None, int, bool | None, tuple[int, ...] | None, bool]:
+    """The task's side of the base model: labels, seed, regression, input shape and ``model.bias``."""
     if job.recipe.task is None:
-        return base_model(model.name, model.dtype, model.quantization, None, job.recipe.seed, model.device)
+        return None, job.recipe.seed, None, None, True
     spec = job.recipe.task.spec()
-    return base_model(model.name, model.dtype, model.quantization, spec.num_labels, job.recipe.seed, model.device,
-                      spec.is_regression, spec.input_shape, model.bias)
+    return spec.num_labels, job.recipe.seed, spec.is_regression, spec.input_shape, job.recipe.model.bias
 
 
 _TASKS: dict[str, FederatedTask | SmallFederatedTask] = {}
@@ -337,8 +358,9 @@ def experts_left_home(model: nn.Module) -> set[str]:
 
 def upload_reference(job: Job, device: int) -> dict[str, torch.Tensor]:
     """Names, shapes and dtypes of every tensor the device may upload (whatever its usage),
-    as empty tensors on the meta device: what the server checks an update against."""
-    model = build_model(job, device)
+    as empty tensors on the meta device: what the server checks an update against. Built on the
+    base's structure (:func:`job_base_structure`): the server reads no weights and needs no accelerator."""
+    model = build_model(job, device, base=job_base_structure(job))
     one = {name: torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
            for name, tensor in trainable_state(model).items() if travels(job.method, name)}
     return job.method.procedure.upload_reference(one)

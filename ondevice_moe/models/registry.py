@@ -167,6 +167,47 @@ def load_base_model(
     return LoadedModel(name=name, model=model, tokenizer=tokenizer)
 
 
+def load_base_structure(
+    name: str,
+    dtype: str = "float32",
+    num_labels: int | None = None,
+    seed: int = 0,
+    *,
+    regression: bool | None = None,
+    input_shape: Sequence[int] | None = None,
+    model_options: Mapping[str, object] | None = None,
+) -> nn.Module:
+    """The base model's modules, parameter names, shapes and dtypes without its weights, frozen.
+
+    A Hugging Face model is built from its config on the meta device: nothing is read but the
+    config, nothing is allocated, and no accelerator is needed, whatever the recipe's device or
+    quantization (bitsandbytes packs the frozen weights, while the layers the experts adapt keep
+    their sizes and the task head its ``dtype``). The small and tiny models, built in memory, are
+    built as :func:`load_base_model` builds them. For whoever needs the shape of a device's model
+    but never runs it: the server checking what a device may upload."""
+    if name in (*SMALL_MODELS, *TINY_MODELS):
+        with torch.random.fork_rng(devices=[]):
+            return load_base_model(name, dtype, "none", num_labels, seed, "cpu", regression=regression,
+                                   input_shape=input_shape, model_options=model_options).model
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    source = resolve_source(name)
+    regression = num_labels == 1 if regression is None else regression
+    labels = {} if num_labels is None else {
+        "num_labels": num_labels, "problem_type": "regression" if regression else "single_label_classification"}
+    try:
+        config = AutoConfig.from_pretrained(source, **labels)
+    except (OSError, ValueError) as error:
+        message = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise UserError(f"cannot read the config of model '{name}' at {source}: {message}",
+                        "on an offline machine use `smollm2-135m` or a local folder with a config.json; online, "
+                        "check the hub id (and `huggingface-cli login` for gated models)") from None
+    architecture = AutoModelForCausalLM if num_labels is None else AutoModelForSequenceClassification
+    with torch.device("meta"):
+        model = architecture.from_config(config, dtype=getattr(torch, dtype))
+    return model.requires_grad_(False).eval()
+
+
 def _cast_weights(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     """``model`` with its parameters and saved buffers in ``dtype``; the buffers it computes and
     never saves (RoPE's ``inv_freq``, computed in float32) keep their precision, as
