@@ -194,8 +194,10 @@ def evaluate_run(run_dir: Path, suite: str | None = None, device: str | None = N
         kind = "language-modelling" if recipe.is_language_modelling else "classification"
         right = "lm" if recipe.is_language_modelling else "glue"
         raise UserError(f"suite '{suite}' does not fit this {kind} run", f"use --suite {right}")
+    logged = MetricsLog(Path(run_dir) / "metrics.jsonl").read()
     records = []
     for job in jobs:
+        trained_to = last_round(logged, job.method.name)
         for device_index in [job.node.partition_id] if job.on_device else range(len(job.method.layouts)):
             model = dev.build_model(job, device_index)
             if job.method.trains:
@@ -204,11 +206,17 @@ def evaluate_run(run_dir: Path, suite: str | None = None, device: str | None = N
             for user_index, user in enumerate(recipe.user_names):
                 values = user_values(metrics, user_index)
                 if values:
-                    records.append({"method": job.method.name, "round": 0, "kind": "eval", "user": user, **values})
+                    records.append({"method": job.method.name, "round": trained_to, "kind": "eval", "user": user,
+                                    **values})
     names = [job.method.name for job in jobs]
-    trained = [record for record in MetricsLog(Path(run_dir) / "metrics.jsonl").read()
-               if record.get("method") in names and record["kind"] in TRAINING_FIGURES]
+    trained = [record for record in logged if record.get("method") in names and record["kind"] in TRAINING_FIGURES]
     return summarize(trained + records, names, recipe.user_names, recipe.metric, eval_split(recipe))
+
+
+def last_round(records: list[dict[str, Any]], method: str) -> int:
+    """The last round ``method`` logged: the round its checkpoints hold (0 for a method that does not train)."""
+    return max((r["round"] for r in records if r.get("method") == method and isinstance(r.get("round"), int)),
+               default=0)
 
 
 def finished_jobs(run_dir: Path, device: str | None = None, split: str | None = None) -> tuple[Recipe, list[Job]]:

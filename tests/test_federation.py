@@ -142,7 +142,7 @@ def test_eval_command_recomputes_final_perplexities(tiny_run):
     assert wrong.exit_code == 2 and "use --suite lm" in wrong.output
     rescored = runner.evaluate_run(result.run_dir)["methods"]
     for name, entry in result.summary["methods"].items():  # a re-scoring keeps what the training sent
-        for key in ("upload_bytes_per_round", "download_bytes_per_round", "dropped"):
+        for key in ("rounds", "upload_bytes_per_round", "download_bytes_per_round", "dropped"):
             assert rescored[name][key] == entry[key], (name, key)
     assert rescored["fedavg"]["upload_bytes_per_round"] > 0
 
