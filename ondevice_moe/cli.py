@@ -363,7 +363,8 @@ def generate(
 @app.command()
 def compare(
     runs: Annotated[list[Path], typer.Argument(
-        help="Run folders, e.g. one per seed; A+B joins folders of one seed (their methods side by side).")],
+        help="Run folders, e.g. one per seed; A+B joins folders of one seed (their methods side by side, A's "
+             "where both hold one); B@LABEL names B's methods <method>@LABEL.")],
     against: Annotated[str | None, typer.Option(
         help="Add the paired test of every method against this one (per run and user).")] = None,
 ) -> None:

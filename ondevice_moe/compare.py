@@ -2,10 +2,15 @@
 CoMiGS Table 2 and Hermes Table 1, and a paired comparison of every method against one of them.
 
 Each run is a run folder with a ``summary.json``, or several folders of one seed joined by ``+``
-(``runs/base-s0+runs/ablations-s0``: their methods side by side). For every method found in all
-runs the table holds, over runs, the mean (std) of the users' mean value — test perplexity in and
-out of distribution for language modelling, the task score for classification — its mean std over
-users, and the upload per round.
+(``runs/base-s0+runs/ablations-s0``: their methods side by side). A folder ending ``@LABEL`` has its
+methods named ``<method>@LABEL`` (``runs/a-s0+runs/b-s0@32-steps``: FedAvg of two recipes side by
+side). Where two joined folders hold one method name, the folder named first gives it (a method
+swept at its own rate, joined before the study that also ran it at the shared rate), and the
+output says which folder's copy was left out.
+
+For every method found in all runs the table holds, over runs, the mean (std) of the users' mean
+value — test perplexity in and out of distribution for language modelling, the task score for
+classification — its mean std over users, and the upload per round.
 
 For FedSoft and IFCA (methods whose summary has ``centres``) the centre-by-source table follows:
 in each run every source is matched to a centre by the assignment with the best total score
@@ -54,7 +59,7 @@ def comparison(runs: list[Path], against: str | None = None) -> str:
     """Every table for ``runs`` (see the module docstring), as Markdown; ``against``: the paired
     comparison's reference method."""
     summaries = load_summaries(runs)
-    parts = [seed_table(summaries)]
+    parts = [seed_table(summaries), *shadowed_methods(runs)]
     if summaries[0].get("eval_split") == "valid":
         parts.insert(0, "VALIDATION split (data.eval_split: valid): these are not test figures")
     if any("centres" in m for m in summaries[0]["methods"].values()):
@@ -72,7 +77,7 @@ def load_summaries(runs: list[Path]) -> list[dict[str, Any]]:
         raise UserError("no run to compare", "pass one run folder or more")
     summaries = []
     for run in runs:
-        parts = [_read_summary(Path(part)) for part in str(run).split("+")]
+        parts = [_labelled_summary(part) for part in str(run).split("+")]
         joined = {**parts[0], "methods": {}}
         for part in parts:
             if part.get("eval_split", "test") != parts[0].get("eval_split", "test"):
@@ -89,6 +94,31 @@ def load_summaries(runs: list[Path]) -> list[dict[str, Any]]:
     if not _common_methods(summaries):
         raise UserError("no method is in every run", "compare runs that share a method")
     return summaries
+
+
+def shadowed_methods(runs: list[Path]) -> list[str]:
+    """One line per method a joined folder holds that an earlier folder of the same ``A+B`` already gave."""
+    lines = []
+    for run in runs:
+        seen: dict[str, str] = {}
+        for part in str(run).split("+"):
+            for method in _labelled_summary(part)["methods"]:
+                if method in seen:
+                    lines.append(f"{method}: from {seen[method]}; its copy in {part} is left out "
+                                 f"(label that folder, {part}@LABEL, to keep both)")
+                else:
+                    seen[method] = part
+    return lines
+
+
+def _labelled_summary(part: str) -> dict[str, Any]:
+    """A joined folder's summary; ``FOLDER@LABEL`` (where no folder of that whole name exists) names
+    its methods ``<method>@LABEL``."""
+    folder, _, label = part.rpartition("@")
+    if not folder or not label or Path(part).exists():
+        return _read_summary(Path(part))
+    summary = _read_summary(Path(folder))
+    return {**summary, "methods": {f"{method}@{label}": entry for method, entry in summary["methods"].items()}}
 
 
 def _read_summary(run: Path) -> dict[str, Any]:

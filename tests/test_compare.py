@@ -77,6 +77,30 @@ def test_folders_of_one_seed_joined_with_plus_stand_side_by_side(tmp_path):
         compare.load_summaries([Path(f"{first}+{other}")])
 
 
+def test_one_method_name_in_two_joined_folders_comes_from_the_first_or_from_both_with_a_label(tmp_path):
+    summaries = {name: _summary(seed) for seed, name in enumerate(("five-steps", "more-steps"))}
+    for name, summary in summaries.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "summary.json").write_text(json.dumps(summary))
+    first, second = tmp_path / "five-steps", tmp_path / "more-steps"
+    [joined] = compare.load_summaries([Path(f"{first}+{second}")])
+    assert joined["methods"] == summaries["five-steps"]["methods"]
+    text = compare.comparison([Path(f"{first}+{second}")])
+    assert f"base: from {first}; its copy in {second} is left out" in text
+    [labelled] = compare.load_summaries([Path(f"{first}+{second}@long")])
+    assert list(labelled["methods"]) == ["base", "better", "same", "base@long", "better@long", "same@long"]
+    assert labelled["methods"]["base@long"] == summaries["more-steps"]["methods"]["base"]
+    assert "left out" not in compare.comparison([Path(f"{first}+{second}@long")])
+    assert compare.paired_differences([labelled], "base@long", "base", "in") == pytest.approx(
+        [100 * math.log(summaries["more-steps"]["methods"]["base"]["per_user"][u]["in"]
+                        / summaries["five-steps"]["methods"]["base"]["per_user"][u]["in"]) for u in USERS])
+    at_sign = tmp_path / "run@s0"  # a folder whose own name holds '@' is read as it is
+    at_sign.mkdir()
+    (at_sign / "summary.json").write_text(json.dumps(summaries["more-steps"]))
+    [plain] = compare.load_summaries([at_sign])
+    assert list(plain["methods"]) == ["base", "better", "same"]
+
+
 def test_centres_are_matched_to_sources_before_they_are_averaged_over_runs():
     """Run 0 learned source 0 in centre 0, run 1 in centre 1: matched, both runs agree."""
     runs = [{"c0s0": 10.0, "c0s1": 90.0, "c1s0": 80.0, "c1s1": 20.0},
