@@ -51,6 +51,7 @@ from ondevice_moe.metrics import lower_is_better
 from ondevice_moe.report import CENTRE_KEY, DIVERGED, format_bytes
 
 SIGNIFICANCE = 0.05
+SHADOWED = "left_out"  # a joined summary's lines naming the methods an earlier folder of its ``A+B`` gave
 SUMMARY_FIX = "pass run folders of finished `ondevice-moe finetune` runs (run the same command again to rewrite " \
               "a damaged summary.json)"
 
@@ -59,7 +60,7 @@ def comparison(runs: list[Path], against: str | None = None) -> str:
     """Every table for ``runs`` (see the module docstring), as Markdown; ``against``: the paired
     comparison's reference method."""
     summaries = load_summaries(runs)
-    parts = [seed_table(summaries), *shadowed_methods(runs)]
+    parts = [seed_table(summaries), *(line for summary in summaries for line in summary[SHADOWED])]
     if summaries[0].get("eval_split") == "valid":
         parts.insert(0, "VALIDATION split (data.eval_split: valid): these are not test figures")
     if any("centres" in m for m in summaries[0]["methods"].values()):
@@ -77,16 +78,24 @@ def load_summaries(runs: list[Path]) -> list[dict[str, Any]]:
         raise UserError("no run to compare", "pass one run folder or more")
     summaries = []
     for run in runs:
-        parts = [_labelled_summary(part) for part in str(run).split("+")]
-        joined = {**parts[0], "methods": {}}
-        for part in parts:
+        folders = str(run).split("+")
+        parts = [_labelled_summary(folder) for folder in folders]
+        joined = {**parts[0], "methods": {}, SHADOWED: []}
+        given_by: dict[str, str] = {}
+        for folder, part in zip(folders, parts, strict=True):
             if part.get("eval_split", "test") != parts[0].get("eval_split", "test"):
                 raise UserError(f"the run folders in {run} were scored on different splits",
                                 "join only folders of one split")
             if part["users"] != parts[0]["users"]:
                 raise UserError(f"the run folders in {run} have different users",
                                 "join only folders of one recipe and seed")
-            joined["methods"].update({m: v for m, v in part["methods"].items() if m not in joined["methods"]})
+            for method, entry in part["methods"].items():
+                if method in given_by:
+                    joined[SHADOWED].append(f"{method}: from {given_by[method]}; its copy in {folder} is left out "
+                                            f"(label that folder, {folder}@LABEL, to keep both)")
+                else:
+                    given_by[method] = folder
+                    joined["methods"][method] = entry
         summaries.append(joined)
     if len({summary.get("eval_split", "test") for summary in summaries}) > 1:
         raise UserError("some runs were scored on the validation split and some on the test split "
@@ -94,21 +103,6 @@ def load_summaries(runs: list[Path]) -> list[dict[str, Any]]:
     if not _common_methods(summaries):
         raise UserError("no method is in every run", "compare runs that share a method")
     return summaries
-
-
-def shadowed_methods(runs: list[Path]) -> list[str]:
-    """One line per method a joined folder holds that an earlier folder of the same ``A+B`` already gave."""
-    lines = []
-    for run in runs:
-        seen: dict[str, str] = {}
-        for part in str(run).split("+"):
-            for method in _labelled_summary(part)["methods"]:
-                if method in seen:
-                    lines.append(f"{method}: from {seen[method]}; its copy in {part} is left out "
-                                 f"(label that folder, {part}@LABEL, to keep both)")
-                else:
-                    seen[method] = part
-    return lines
 
 
 def _labelled_summary(part: str) -> dict[str, Any]:
