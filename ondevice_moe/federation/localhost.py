@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import shlex
 import signal
 import socket
@@ -21,10 +22,42 @@ from pathlib import Path
 BIN = Path(sys.executable).parent
 
 
+EPHEMERAL_PORTS = Path("/proc/sys/net/ipv4/ip_local_port_range")
+LOWEST_PORT = 10000  # below it lie well-known services' ports
+PORT_TRIES = 64
+
+
 def free_port() -> int:
+    """A loopback port free now, below the kernel's ephemeral range where that range is known.
+
+    A port the kernel hands out for ``bind(0)`` lies in the ephemeral range, from which it also
+    picks the source port of every outgoing connection: in the seconds between this probe and the
+    server binding the port, one of the processes' own HTTP requests could take it (a restarted
+    SuperNode then died with "address already in use"). Ports below the range are only ever taken
+    by an explicit bind; they are drawn at random so that parallel test workers do not race for
+    the same one.
+    """
+    first_ephemeral = _first_ephemeral_port()
+    if first_ephemeral > LOWEST_PORT:
+        for port in random.SystemRandom().sample(range(LOWEST_PORT, first_ephemeral),
+                                                 min(PORT_TRIES, first_ephemeral - LOWEST_PORT)):
+            with socket.socket() as probe:
+                try:
+                    probe.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
+
+
+def _first_ephemeral_port() -> int:
+    """The first port of the kernel's ephemeral range, or 0 where it is not known (not Linux)."""
+    try:
+        return int(EPHEMERAL_PORTS.read_text(encoding="ascii").split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def environment(home: Path) -> dict[str, str]:
