@@ -367,12 +367,14 @@ def compare(
              "where both hold one); B@LABEL names B's methods <method>@LABEL.")],
     against: Annotated[str | None, typer.Option(
         help="Add the paired test of every method against this one (per run and user).")] = None,
+    per_round: Annotated[bool, typer.Option(
+        "--per-round", help="Also both tables after every evaluated round (from each run's metrics.jsonl).")] = False,
 ) -> None:
     """Compare runs: per method the mean (std) over runs, and with --against the paired test (docs/runs.md)."""
     from ondevice_moe.compare import comparison
 
     try:
-        text = comparison(runs, against)
+        text = comparison(runs, against, per_round)
     except UserError as error:
         _fail(error)
     console.print(text, markup=False, highlight=False, soft_wrap=True)

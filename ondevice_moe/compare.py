@@ -33,6 +33,11 @@ the two-sided p-values of a paired t-test and of a Wilcoxon signed-rank test ove
 counts as larger than its noise when both p < 0.05. Pairing removes what the methods share (the
 users' test blocks, the run's data); what remains is training noise across seeds and users. A pair
 where either value diverged (no finite figure) is left out; the table counts the pairs it used.
+
+With ``per_round`` both tables follow the training: each round that every run evaluated is read
+from the folders' ``metrics.jsonl`` (its ``eval`` records, and the uploads up to that round) and
+summarised as if the run had stopped there, so a method that learns faster and one that only ends
+higher can be told apart (Hermes' ablations at ten local epochs, docs/results/hermes.md).
 """
 
 from __future__ import annotations
@@ -48,17 +53,18 @@ from scipy import stats
 
 from ondevice_moe.errors import UserError
 from ondevice_moe.metrics import lower_is_better
-from ondevice_moe.report import CENTRE_KEY, DIVERGED, format_bytes
+from ondevice_moe.report import CENTRE_KEY, DIVERGED, CorruptLog, MetricsLog, format_bytes, summarize
 
 SIGNIFICANCE = 0.05
 SHADOWED = "left_out"  # a joined summary's lines naming the methods an earlier folder of its ``A+B`` gave
 SUMMARY_FIX = "pass run folders of finished `ondevice-moe finetune` runs (run the same command again to rewrite " \
               "a damaged summary.json)"
+LOG_FIX = "pass run folders whose metrics.jsonl `ondevice-moe finetune` wrote, or leave out --per-round"
 
 
-def comparison(runs: list[Path], against: str | None = None) -> str:
+def comparison(runs: list[Path], against: str | None = None, per_round: bool = False) -> str:
     """Every table for ``runs`` (see the module docstring), as Markdown; ``against``: the paired
-    comparison's reference method."""
+    comparison's reference method; ``per_round``: also the values after every evaluated round."""
     summaries = load_summaries(runs)
     parts = [seed_table(summaries), *(line for summary in summaries for line in summary[SHADOWED])]
     if summaries[0].get("eval_split") == "valid":
@@ -69,17 +75,28 @@ def comparison(runs: list[Path], against: str | None = None) -> str:
         parts.append(personalisation_table(summaries))
     if against is not None:
         parts.append(paired_table(summaries, against))
+    if per_round:
+        parts.append(round_tables(runs, summaries, against))
     return "\n\n".join(parts)
 
 
 def load_summaries(runs: list[Path]) -> list[dict[str, Any]]:
     """One summary per run; ``A+B`` joins the methods of run folders of one seed (the same users)."""
+    summaries = _joined_summaries(runs)
+    if not _common_methods(summaries):
+        raise UserError("no method is in every run", "compare runs that share a method")
+    return summaries
+
+
+def _joined_summaries(runs: list[Path], at_round: int | None = None) -> list[dict[str, Any]]:
+    """:func:`load_summaries` without its check for a shared method; ``at_round``: each folder as
+    it stood after that round (:func:`_summary_at_round`)."""
     if not runs:
         raise UserError("no run to compare", "pass one run folder or more")
     summaries = []
     for run in runs:
         folders = str(run).split("+")
-        parts = [_labelled_summary(folder) for folder in folders]
+        parts = [_labelled_summary(folder, at_round) for folder in folders]
         joined = {**parts[0], "methods": {}, SHADOWED: []}
         given_by: dict[str, str] = {}
         for folder, part in zip(folders, parts, strict=True):
@@ -100,19 +117,54 @@ def load_summaries(runs: list[Path]) -> list[dict[str, Any]]:
     if len({summary.get("eval_split", "test") for summary in summaries}) > 1:
         raise UserError("some runs were scored on the validation split and some on the test split "
                         "(summary.json's eval_split)", "compare runs of one split")
-    if not _common_methods(summaries):
-        raise UserError("no method is in every run", "compare runs that share a method")
     return summaries
 
 
-def _labelled_summary(part: str) -> dict[str, Any]:
-    """A joined folder's summary; ``FOLDER@LABEL`` (where no folder of that whole name exists) names
-    its methods ``<method>@LABEL``."""
+def _labelled_summary(part: str, at_round: int | None = None) -> dict[str, Any]:
+    """A joined folder's summary (after ``at_round``, where given); ``FOLDER@LABEL`` (where no folder
+    of that whole name exists) names its methods ``<method>@LABEL``."""
+    folder, label = _folder_and_label(part)
+    summary = _read_summary(folder) if at_round is None else _summary_at_round(folder, at_round)
+    if not label:
+        return summary
+    return {**summary, "methods": {f"{method}@{label}": entry for method, entry in summary["methods"].items()}}
+
+
+def _folder_and_label(part: str) -> tuple[Path, str]:
+    """``FOLDER@LABEL`` split into the folder and its label (no label where a folder of the whole name exists)."""
     folder, _, label = part.rpartition("@")
     if not folder or not label or Path(part).exists():
-        return _read_summary(Path(part))
-    summary = _read_summary(Path(folder))
-    return {**summary, "methods": {f"{method}@{label}": entry for method, entry in summary["methods"].items()}}
+        return Path(part), ""
+    return Path(folder), label
+
+
+def _summary_at_round(run: Path, at_round: int) -> dict[str, Any]:
+    """The summary ``run`` would have written had it stopped after ``at_round``: its ``metrics.jsonl``
+    up to that round, only that round's evaluations, summarised as ``finetune`` does."""
+    summary = _read_summary(run)
+    records = [record for record in _read_records(run)
+               if (record.get("round") == at_round if record["kind"] == "eval"
+                   else not isinstance(record.get("round"), int) or record["round"] <= at_round)]
+    try:
+        at = summarize(records, list(summary["methods"]), summary["users"], summary.get("metric", "perplexity"),
+                       summary.get("eval_split", "test"))
+    except (KeyError, TypeError, ValueError, statistics.StatisticsError) as error:
+        raise UserError(f"{run / 'metrics.jsonl'} has a record unlike those finetune writes ({error!r})",
+                        LOG_FIX) from None
+    problem = _shape_problem(at)
+    if problem:
+        raise UserError(f"{run / 'metrics.jsonl'} round {at_round} does not summarise: {problem}", LOG_FIX)
+    return at
+
+
+def _read_records(run: Path) -> list[dict[str, Any]]:
+    path = run / "metrics.jsonl"
+    if not path.is_file():
+        raise UserError(f"{path} does not exist", LOG_FIX)
+    try:
+        return MetricsLog(path).read()
+    except (OSError, CorruptLog) as error:
+        raise UserError(f"cannot read {path} ({error})", LOG_FIX) from None
 
 
 def _read_summary(run: Path) -> dict[str, Any]:
@@ -332,5 +384,58 @@ def paired_table(summaries: list[dict[str, Any]], reference: str) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["comparison", "load_summaries", "matched_centres", "paired_differences", "paired_table", "paired_test",
-           "seed_table"]
+def evaluated_rounds(runs: list[Path]) -> list[int]:
+    """The rounds with evaluations in every run (in any of a joined run's folders)."""
+    rounds: set[int] | None = None
+    for run in runs:
+        folders = [_folder_and_label(part)[0] for part in str(run).split("+")]
+        evaluated = {record["round"] for folder in folders for record in _read_records(folder)
+                     if record["kind"] == "eval" and isinstance(record.get("round"), int)
+                     and not isinstance(record["round"], bool)}
+        rounds = evaluated if rounds is None else rounds & evaluated
+    return sorted(rounds or ())
+
+
+def round_tables(runs: list[Path], final: list[dict[str, Any]], reference: str | None) -> str:
+    """The methods of ``final`` (the runs' summaries) after every round that every run evaluated:
+    the users' mean value, mean (std) over runs, and with ``reference`` the paired gap (s.e.) with
+    its t-test and Wilcoxon p-values, in bold where both are below :data:`SIGNIFICANCE`; "–" where
+    a method was not evaluated that round."""
+    rounds = evaluated_rounds(runs)
+    if not rounds:
+        return "Per round: no round was evaluated in every run (metrics.jsonl has no common eval round)"
+    by_round = {r: _joined_summaries(runs, r) for r in rounds}
+    methods, keys = _common_methods(final), _value_keys(final)
+    header = ["method", "value", *(f"round {r}" for r in rounds)]
+    rule = "|" + "---|" * len(header)
+    values = [f"Per round: mean (std) over {len(runs)} run(s)", "", "| " + " | ".join(header) + " |", rule]
+    gaps = [f"Per round: mean Δ vs {reference} (s.e.), paired t p / Wilcoxon p; bold where both p < {SIGNIFICANCE}",
+            "", "| " + " | ".join(header) + " |", rule]
+    for method in methods:
+        for key in keys:
+            cells, gap_cells = [], []
+            for r in rounds:
+                summaries = by_round[r]
+                present = method in _common_methods(summaries)
+                cells.append(_spread([s["methods"][method].get(f"mean_{key}") for s in summaries]) if present
+                             else "–")
+                if reference is not None and method != reference:
+                    gap_cells.append(_round_gap(summaries, method, reference, key) if present else "–")
+            values.append(f"| {method} | {key} | {' | '.join(cells)} |")
+            if gap_cells:
+                gaps.append(f"| {method} | {key} | {' | '.join(gap_cells)} |")
+    return "\n".join(values) + ("\n\n" + "\n".join(gaps) if reference is not None else "")
+
+
+def _round_gap(summaries: list[dict[str, Any]], method: str, reference: str, key: str) -> str:
+    if reference not in _common_methods(summaries):
+        return "–"
+    mean, error, t_p, wilcoxon_p = paired_test(paired_differences(summaries, method, reference, key))
+    gap = f"{_number(mean, '+')} ({_number(error)})"
+    if t_p < SIGNIFICANCE and wilcoxon_p < SIGNIFICANCE:
+        gap = f"**{gap}**"
+    return f"{gap}, {t_p:.2g} / {wilcoxon_p:.2g}"
+
+
+__all__ = ["comparison", "evaluated_rounds", "load_summaries", "matched_centres", "paired_differences", "paired_table",
+           "paired_test", "round_tables", "seed_table"]

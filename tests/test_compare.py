@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 from ondevice_moe import compare
 from ondevice_moe.cli import app
 from ondevice_moe.errors import UserError
+from ondevice_moe.report import MetricsLog, summarize
 
 USERS = ["a", "b", "c", "d"]
 
@@ -169,4 +170,76 @@ def test_a_damaged_or_missing_summary_is_one_clear_error(tmp_path, content, prob
         (folder / "summary.json").write_text(content)
     result = CliRunner().invoke(app, ["compare", str(folder)])
     assert result.exit_code == 2 and problem in " ".join(result.output.split())
+    assert "fix:" in result.output and "Traceback" not in result.output
+
+
+def _write_logged_run(folder: Path, scores: dict[str, dict[int, dict[str, float]]]) -> Path:
+    """A run folder as finetune leaves it: ``metrics.jsonl`` with each round's uploads and the
+    evaluations ``scores`` (method → round → user → score), and the summary.json it summarises to."""
+    log = MetricsLog(folder / "metrics.jsonl")
+    for method, by_round in scores.items():
+        for server_round in range(1, max(by_round) + 1):
+            log.write({"method": method, "kind": "comm", "round": server_round, "bytes_up": 1024 * server_round,
+                       "bytes_down": 0})
+            for user, score in by_round.get(server_round, {}).items():
+                log.write({"method": method, "kind": "eval", "round": server_round, "user": user, "score": score})
+    users = sorted({user for by_round in scores.values() for values in by_round.values() for user in values})
+    summary = summarize(log.read(), list(scores), users, "accuracy")
+    (folder / "summary.json").write_text(json.dumps(summary))
+    return folder
+
+
+def test_per_round_tables_follow_the_training_as_the_logged_evaluations_give_it(tmp_path):
+    lifts = (2.0, 3.0, 2.5)  # 'faster' leads by about this after round 1, and both end level after round 2
+    runs = []
+    for seed, lift in enumerate(lifts):
+        first, last = {"a": 60.0 + seed, "b": 70.0 + seed}, {"a": 80.0 + seed, "b": 90.0 + seed}
+        ahead = {"a": first["a"] + lift, "b": first["b"] + lift + 0.1}
+        base = _write_logged_run(tmp_path / f"base-s{seed}", {"base": {1: first, 2: last}})
+        faster = _write_logged_run(tmp_path / f"faster-s{seed}", {"base": {1: ahead, 2: last}})
+        runs.append(f"{base}+{faster}@faster")
+    result = CliRunner().invoke(app, ["compare", *runs, "--against", "base", "--per-round"])
+    assert result.exit_code == 0, result.output
+    values, gaps = result.output.split("Per round: mean (std)")[1].split("Per round: mean Δ")
+    after_one = [65.05 + seed + lift for seed, lift in enumerate(lifts)]  # the users' mean, per seed
+    assert (f"| base@faster | score | {statistics.fmean(after_one):.2f} ({statistics.stdev(after_one):.2f}) | "
+            "86.00 (1.00) |") in values
+    assert "| base | score | 66.00 (1.00) | 86.00 (1.00) |" in values
+    differences = [lift + extra for lift in lifts for extra in (0.0, 0.1)]
+    error = statistics.stdev(differences) / math.sqrt(len(differences))
+    t_p, wilcoxon_p = stats.ttest_1samp(differences, 0.0).pvalue, stats.wilcoxon(differences).pvalue
+    assert (f"| base@faster | score | **{statistics.fmean(differences):+.2f} ({error:.2f})**, {t_p:.2g} / "
+            f"{wilcoxon_p:.2g} | +0.00 (0.00), nan / nan |") in gaps
+
+
+def test_a_round_one_method_was_not_evaluated_in_shows_a_dash_and_rounds_not_in_every_run_are_left_out(tmp_path):
+    every = _write_logged_run(tmp_path / "s0", {"base": {1: {"a": 50.0}, 2: {"a": 60.0}, 3: {"a": 70.0}},
+                                                "late": {3: {"a": 65.0}}})
+    fewer = _write_logged_run(tmp_path / "s1", {"base": {2: {"a": 61.0}, 3: {"a": 71.0}},
+                                                "late": {3: {"a": 66.0}}})
+    assert compare.evaluated_rounds([every, fewer]) == [2, 3]
+    text = compare.comparison([every, fewer], "base", per_round=True)
+    values = text.split("Per round: mean (std)")[1].split("Per round: mean Δ")[0]
+    assert "| base | score | round 2 | round 3 |" not in values and "| method | value | round 2 | round 3 |" in values
+    assert "| late | score | – | 65.50 (0.71) |" in values
+    assert "| late | score | – | -5.00 (0.00), nan / nan |" in text
+
+
+@pytest.mark.parametrize(("log", "problem"), [
+    (None, "metrics.jsonl does not exist"),
+    ('{"kind": "eval"}\n', "is not a metrics record"),
+    ('{"method": "base", "kind": "comm", "round": 1}\n{"method": "base", "kind": "eval", "round": 1, "user": "a", '
+     '"score": 50.0}\n', "a record unlike those finetune writes"),
+    ('{"method": "base", "kind": "eval", "round": 1, "user": "a", "score": "high"}\n',
+     "a record unlike those finetune writes"),
+])
+def test_a_damaged_or_missing_log_is_one_clear_error_per_round_only(tmp_path, log, problem):
+    run = _write_logged_run(tmp_path / "run", {"base": {1: {"a": 50.0}}})
+    if log is None:
+        (run / "metrics.jsonl").unlink()
+    else:
+        (run / "metrics.jsonl").write_text(log)
+    assert CliRunner().invoke(app, ["compare", str(run)]).exit_code == 0  # the final tables need no log
+    result = CliRunner().invoke(app, ["compare", str(run), "--per-round"])
+    assert result.exit_code == 2 and problem in " ".join(result.output.split()), result.output
     assert "fix:" in result.output and "Traceback" not in result.output
