@@ -1,8 +1,9 @@
 """A real Flower deployment on one machine: one ``flower-superlink`` and one ``flower-supernode`` per
-device, each process in its own working folder with its own home, on loopback ports chosen free,
-every process stopped by its PID (its whole session) at the end. For trying the deployment path
-on a laptop, and for the deployment tests and benchmarks (tests/test_deployment.py,
-benchmarks/deployment_rounds.py); the commands are those of docs/deployment.md.
+device, each process in its own working folder with its own home, on free loopback ports below the
+ephemeral range (:func:`free_port`), every process stopped by its PID (its whole session) at the
+end. For trying the deployment path on a laptop, and for the deployment tests and benchmarks
+(tests/test_deployment.py, benchmarks/deployment_rounds.py); the commands are those of
+docs/deployment.md.
 """
 
 from __future__ import annotations
