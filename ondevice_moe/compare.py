@@ -42,10 +42,12 @@ higher can be told apart (Hermes' ablations at ten local epochs, docs/results/he
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import math
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -88,15 +90,16 @@ def load_summaries(runs: list[Path]) -> list[dict[str, Any]]:
     return summaries
 
 
-def _joined_summaries(runs: list[Path], at_round: int | None = None) -> list[dict[str, Any]]:
-    """:func:`load_summaries` without its check for a shared method; ``at_round``: each folder as
-    it stood after that round (:func:`_summary_at_round`)."""
+def _joined_summaries(runs: list[Path], read: Callable[[Path], dict[str, Any]] | None = None
+                      ) -> list[dict[str, Any]]:
+    """:func:`load_summaries` without its check for a shared method; ``read``: a folder's summary
+    (its ``summary.json`` where not given; a round's, in :func:`round_tables`)."""
     if not runs:
         raise UserError("no run to compare", "pass one run folder or more")
     summaries = []
     for run in runs:
         folders = str(run).split("+")
-        parts = [_labelled_summary(folder, at_round) for folder in folders]
+        parts = [_labelled_summary(folder, read or _read_summary) for folder in folders]
         joined = {**parts[0], "methods": {}, SHADOWED: []}
         given_by: dict[str, str] = {}
         for folder, part in zip(folders, parts, strict=True):
@@ -120,11 +123,11 @@ def _joined_summaries(runs: list[Path], at_round: int | None = None) -> list[dic
     return summaries
 
 
-def _labelled_summary(part: str, at_round: int | None = None) -> dict[str, Any]:
-    """A joined folder's summary (after ``at_round``, where given); ``FOLDER@LABEL`` (where no folder
-    of that whole name exists) names its methods ``<method>@LABEL``."""
+def _labelled_summary(part: str, read: Callable[[Path], dict[str, Any]]) -> dict[str, Any]:
+    """A joined folder's summary as ``read`` gives it; ``FOLDER@LABEL`` (where no folder of that
+    whole name exists) names its methods ``<method>@LABEL``."""
     folder, label = _folder_and_label(part)
-    summary = _read_summary(folder) if at_round is None else _summary_at_round(folder, at_round)
+    summary = read(folder)
     if not label:
         return summary
     return {**summary, "methods": {f"{method}@{label}": entry for method, entry in summary["methods"].items()}}
@@ -138,11 +141,12 @@ def _folder_and_label(part: str) -> tuple[Path, str]:
     return Path(folder), label
 
 
-def _summary_at_round(run: Path, at_round: int) -> dict[str, Any]:
-    """The summary ``run`` would have written had it stopped after ``at_round``: its ``metrics.jsonl``
-    up to that round, only that round's evaluations, summarised as ``finetune`` does."""
-    summary = _read_summary(run)
-    records = [record for record in _read_records(run)
+def _summary_at_round(run: Path, at_round: int, summary: dict[str, Any], logged: list[dict[str, Any]]
+                      ) -> dict[str, Any]:
+    """The summary ``run`` would have written had it stopped after ``at_round``: ``logged`` (its
+    ``metrics.jsonl``) up to that round, only that round's evaluations, summarised as ``finetune``
+    does; ``summary``: its ``summary.json`` (the methods, users and metric)."""
+    records = [record for record in logged
                if (record.get("round") == at_round if record["kind"] == "eval"
                    else not isinstance(record.get("round"), int) or record["round"] <= at_round)]
     try:
@@ -384,12 +388,13 @@ def paired_table(summaries: list[dict[str, Any]], reference: str) -> str:
     return "\n".join(lines)
 
 
-def evaluated_rounds(runs: list[Path]) -> list[int]:
+def evaluated_rounds(runs: list[Path], read_records: Callable[[Path], list[dict[str, Any]]] = _read_records
+                     ) -> list[int]:
     """The rounds with evaluations in every run (in any of a joined run's folders)."""
     rounds: set[int] | None = None
     for run in runs:
         folders = [_folder_and_label(part)[0] for part in str(run).split("+")]
-        evaluated = {record["round"] for folder in folders for record in _read_records(folder)
+        evaluated = {record["round"] for folder in folders for record in read_records(folder)
                      if record["kind"] == "eval" and isinstance(record.get("round"), int)
                      and not isinstance(record["round"], bool)}
         rounds = evaluated if rounds is None else rounds & evaluated
@@ -401,10 +406,13 @@ def round_tables(runs: list[Path], final: list[dict[str, Any]], reference: str |
     the users' mean value, mean (std) over runs, and with ``reference`` the paired gap (s.e.) with
     its t-test and Wilcoxon p-values, in bold where both are below :data:`SIGNIFICANCE`; "–" where
     a method was not evaluated that round."""
-    rounds = evaluated_rounds(runs)
+    summary_of, records_of = functools.cache(_read_summary), functools.cache(_read_records)  # each file read once
+    rounds = evaluated_rounds(runs, records_of)
     if not rounds:
         return "Per round: no round was evaluated in every run (metrics.jsonl has no common eval round)"
-    by_round = {r: _joined_summaries(runs, r) for r in rounds}
+    by_round = {r: _joined_summaries(runs, lambda folder, r=r: _summary_at_round(folder, r, summary_of(folder),
+                                                                                  records_of(folder)))
+                for r in rounds}
     methods, keys = _common_methods(final), _value_keys(final)
     header = ["method", "value", *(f"round {r}" for r in rounds)]
     rule = "|" + "---|" * len(header)
