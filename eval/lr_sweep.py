@@ -5,11 +5,15 @@ Usage: python eval/lr_sweep.py RECIPE --rates R [R ...] [--seed S] [--out FOLDER
 
 Sweep: for every rate R, ``ondevice-moe finetune RECIPE --seed S --set data.eval_split=valid
 --set training.lr=R`` (and every ``--set``) into ``FOLDER/valid-lr<R>-s<S>``: every method of the
-recipe trains at R and is scored on each user's validation split (``data.valid_tokens``). A folder
+recipe trains at R and is scored on each user's validation split (``data.valid_tokens``). A
+classification recipe is scored on its clients' validation examples instead (``task.eval_split=valid``;
+the recipe, or a ``--set``, gives ``task.valid_examples``, held out of the training split). A folder
 that already holds a ``summary.json`` is not run again, so an interrupted sweep goes on where it
 stopped. Then, per method, the mean over users of the validation perplexity in and out of
-distribution at every rate, and the best rate by ``--select`` (``in``, the default: each user's own
-domain). A best rate at an edge of the grid is flagged: widen the grid there.
+distribution (or of the task's score) at every rate, and the best rate by ``--select`` (``in``, the
+default: each user's own domain, or the task's score; ``out``: the union of the users' domains): the
+lowest perplexity or error, the highest accuracy. A best rate at an edge of the grid is flagged:
+widen the grid there.
 
 Test (``--test-seeds``): for every seed, each method at its own best rate, scored on the test split:
 one run per distinct best rate, holding the methods that chose it (``--set methods=[...]``), into
@@ -38,9 +42,11 @@ from pathlib import Path
 
 from ondevice_moe.compare import comparison
 from ondevice_moe.errors import UserError
+from ondevice_moe.metrics import lower_is_better
 from ondevice_moe.recipe import Recipe, load_recipe
 
 SELECT = {"in": "mean_in", "out": "mean_out"}
+SPLIT_KEYS = ("data.eval_split", "task.eval_split")
 
 
 def rate_name(rate: float) -> str:
@@ -53,12 +59,13 @@ def run_folder(out: Path, split: str, rate: float, seed: int) -> Path:
 
 
 def finetune_command(recipe: Path, folder: Path, rate: float, seed: int, split: str, overrides: list[str],
-                     methods: list[dict] | None = None) -> list[str]:
-    """The ``ondevice-moe finetune`` command of one run (``methods``: the recipe's entries to keep)."""
+                     methods: list[dict] | None = None, split_key: str = "data.eval_split") -> list[str]:
+    """The ``ondevice-moe finetune`` command of one run (``methods``: the recipe's entries to keep;
+    ``split_key``: ``data.eval_split`` for a language model, ``task.eval_split`` for a task)."""
     # This interpreter's package, so the sweep runs from a virtual environment that is not on PATH.
     command = [sys.executable, "-m", "ondevice_moe", "finetune", str(recipe), "--seed", str(seed),
                "--output", str(folder)]
-    for override in [*overrides, f"data.eval_split={split}", f"training.lr={rate!r}"]:
+    for override in [*overrides, f"{split_key}={split}", f"training.lr={rate!r}"]:
         command += ["--set", override]
     if methods is not None:
         command += ["--set", "methods=" + json.dumps(methods)]
@@ -129,21 +136,29 @@ def read_summary(folder: Path, split: str) -> dict:
 
 
 def sweep_table(summaries: dict[float, dict], select: str) -> tuple[str, dict[str, float]]:
-    """The validation table (a row per method, per rate ``in / out``) and each method's best rate."""
+    """The validation table (a row per method, per rate ``in / out``, or the task's score) and each
+    method's best rate: the lowest perplexity or error, the highest score."""
     rates = sorted(summaries)
     methods = list(dict.fromkeys(m for r in rates for m in summaries[r]["methods"]))
-    key = SELECT[select]
-    header = ["method", *(f"lr {rate_name(r)}: valid ppl in / out" for r in rates), f"best lr (valid {select})"]
+    metric = next((summary["metric"] for summary in summaries.values() if "metric" in summary), "perplexity")
+    language = metric == "perplexity"
+    if not language and select != "in":
+        raise SystemExit(f"error: --select {select} chooses among a language model's perplexities; a task has one "
+                         f"score ({metric}); fix: drop --select")
+    key = SELECT[select] if language else "mean_score"
+    lowest = lower_is_better(metric)
+    scored = "valid ppl in / out" if language else f"valid {metric}"
+    header = ["method", *(f"lr {rate_name(r)}: {scored}" for r in rates), f"best lr (valid {select})"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     best: dict[str, float] = {}
     for method in methods:
         entries = {r: summaries[r]["methods"].get(method) for r in rates}
         values = {r: e.get(key) for r, e in entries.items() if e is not None}
         finite = {r: v for r, v in values.items() if v is not None and math.isfinite(v)}
-        cells = ["failed" if e is None else f"{_cell(e.get('mean_in'))} / {_cell(e.get('mean_out'))}"
-                 for e in entries.values()]
+        cells = ["failed" if e is None else f"{_cell(e.get('mean_in'))} / {_cell(e.get('mean_out'))}" if language
+                 else _cell(e.get(key)) for e in entries.values()]
         if finite:
-            best[method] = min(finite, key=finite.get)
+            best[method] = (min if lowest else max)(finite, key=finite.get)
             edge = " (edge of the grid)" if len(rates) > 1 and best[method] in (rates[0], rates[-1]) else ""
             cells.append(rate_name(best[method]) + edge)
         else:
@@ -179,22 +194,28 @@ def main(argv: list[str]) -> None:
                          help="train the sweep's seed again for the test figures instead of re-scoring its runs")
     options.add_argument("--dry-run", action="store_true", help="print the commands; run nothing")
     args = options.parse_args(argv)
-    if any(o.split("=", 1)[0] in ("data.eval_split", "training.lr") for o in args.overrides):
-        raise SystemExit("error: --set data.eval_split / training.lr are the sweep's own; fix: drop them")
+    if any(o.split("=", 1)[0] in (*SPLIT_KEYS, "training.lr") for o in args.overrides):
+        raise SystemExit("error: --set data.eval_split / task.eval_split / training.lr are the sweep's own; "
+                         "fix: drop them")
     recipe = load_recipe(args.recipe, args.overrides, args.seed)
+    split_key = SPLIT_KEYS[0] if recipe.is_language_modelling else SPLIT_KEYS[1]
+    if not recipe.is_language_modelling and recipe.task.valid_examples is None:
+        raise SystemExit(f"error: {args.recipe} is a classification recipe without a validation split; fix: add "
+                         "--set task.valid_examples=N (examples held out of the training split, for every run)")
     out = args.out or Path("runs") / f"sweep-{recipe.name}"
     out.mkdir(parents=True, exist_ok=True)
     rates = sorted(set(args.rates))
     entries = entries_by_method(recipe)
     for rate in rates:
         run(finetune_command(args.recipe, run_folder(out, "valid", rate, args.seed), rate, args.seed, "valid",
-                             args.overrides), run_folder(out, "valid", rate, args.seed), out, args.dry_run,
-            list(entries))
+                             args.overrides, split_key=split_key), run_folder(out, "valid", rate, args.seed), out,
+            args.dry_run, list(entries))
     if args.dry_run:
         return
     summaries = {rate: read_summary(run_folder(out, "valid", rate, args.seed), "valid") for rate in rates}
     table, best = sweep_table(summaries, args.select)
-    print(f"\nValidation perplexity (data.eval_split: valid), seed {args.seed}, mean over users; "
+    scored = "perplexity" if recipe.is_language_modelling else recipe.metric
+    print(f"\nValidation {scored} ({split_key}: valid), seed {args.seed}, mean over users; "
           f"best rate by valid {args.select}:\n")
     print(table)
     print("\nbest rate per method on valid: " + ", ".join(f"{m} {rate_name(r)}" for m, r in best.items()))
@@ -211,12 +232,12 @@ def main(argv: list[str]) -> None:
                 rescore_on_test(run_folder(out, "valid", rate, seed), folder,
                                 [m for m in best if best[m] == rate], False)
             else:
-                run(finetune_command(args.recipe, folder, rate, seed, "test", args.overrides, methods), folder,
-                    out, False, [m for m in best if best[m] == rate])
+                run(finetune_command(args.recipe, folder, rate, seed, "test", args.overrides, methods, split_key),
+                    folder, out, False, [m for m in best if best[m] == rate])
             read_summary(folder, "test")
             folders.append(folder)
         joined.append(Path("+".join(str(f) for f in folders)))
-    print(f"\nTest perplexity, each method at its best validation rate, seeds {args.test_seeds}:")
+    print(f"\nTest {scored}, each method at its best validation rate, seeds {args.test_seeds}:")
     print("runs: " + " ".join(str(j) for j in joined) + "\n")
     try:
         print(comparison(joined, args.against))

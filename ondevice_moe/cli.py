@@ -145,7 +145,8 @@ def evaluate(
         help="lm (perplexity in/out of distribution) or glue (task metrics). Default: the run's own task.")] = None,
     device: Annotated[Device | None, typer.Option(help=DEVICE_HELP + " Default: the run's recipe.")] = None,
     split: Annotated[str | None, typer.Option(
-        help="test or valid: the split a language model's users are scored on (data.eval_split). "
+        help="test or valid: the split the users are scored on (data.eval_split, or task.eval_split: a "
+             "classifier's validation split needs task.valid_examples). "
              "Default: the run's recipe.")] = None,
     data: Annotated[Path | None, typer.Option(
         help="Score the run's users on a file of yours instead: text (.txt, .md, a folder of them, .jsonl) for a "
@@ -526,11 +527,12 @@ def _data_table(counts: list[UserCounts]) -> Table:
                           " / ".join(f"{user.blocks[split]:,}" for split in splits))
         return table
     table = Table(title="Data per client (examples as dealt)")
-    for column in ("client", "train", "test", "training labels"):
-        table.add_column(column, justify="right" if column in ("train", "test") else "left")
+    splits = [split for split in ("train", "valid", "test") if split in counts[0].examples]
+    for column in ("client", *splits, "training labels"):
+        table.add_column(column, justify="right" if column in splits else "left")
     for user in counts:
         labels = "scores" if user.labels is None else ", ".join(f"{name} {n}" for name, n in user.labels.items())
-        table.add_row(escape(user.user), f"{user.examples['train']:,}", f"{user.examples['test']:,}", escape(labels))
+        table.add_row(escape(user.user), *(f"{user.examples[split]:,}" for split in splits), escape(labels))
     return table
 
 

@@ -70,7 +70,7 @@ def comparison(runs: list[Path], against: str | None = None, per_round: bool = F
     summaries = load_summaries(runs)
     parts = [seed_table(summaries), *(line for summary in summaries for line in summary[SHADOWED])]
     if summaries[0].get("eval_split") == "valid":
-        parts.insert(0, "VALIDATION split (data.eval_split: valid): these are not test figures")
+        parts.insert(0, "VALIDATION split (eval_split: valid): these are not test figures")
     if any("centres" in m for m in summaries[0]["methods"].values()):
         parts.append(centre_table(summaries))
     if any("benefiting_pct" in m for m in summaries[0]["methods"].values()):

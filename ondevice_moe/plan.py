@@ -79,8 +79,9 @@ class TextCounts:
 
 @dataclass(frozen=True)
 class ExampleCounts:
-    """A task client's data as a run deals it: examples per split and, for classification, how many
-    training examples carry each label (``None`` for regression scores)."""
+    """A task client's data as a run deals it: examples per split (``valid`` where the task holds a
+    validation split) and, for classification, how many training examples carry each label (``None``
+    for regression scores)."""
 
     user: str
     examples: dict[str, int]
@@ -104,9 +105,10 @@ def data_counts(job: Job) -> list[UserCounts]:
         return counts
     task = federated_task(job)
     spec = task.task
-    return [ExampleCounts(user, {"train": len(train), "test": len(test)},
+    valid = task.valid or [None] * len(task.train)
+    return [ExampleCounts(user, {"train": len(train), "test": len(test)} | ({"valid": len(held)} if held else {}),
                           None if spec.is_regression else _label_counts(train.labels.tolist(), spec.label_names))
-            for user, train, test in zip(recipe.user_names, task.train, task.test, strict=True)]
+            for user, train, test, held in zip(recipe.user_names, task.train, task.test, valid, strict=True)]
 
 
 def _label_counts(labels: list[float], names: tuple[str, ...]) -> dict[str, int]:

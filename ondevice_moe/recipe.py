@@ -214,6 +214,14 @@ class TaskSection(_Section):
       matches, sorted; ``clients`` is the number of files, and ``max_*_examples`` cap each client);
       ``text_columns`` (one, or two for sentence pairs), ``label_column`` (class names or indices),
       ``labels`` (the class names, in index order) and ``metric``; ``name`` is then the user's own.
+
+    ``valid_examples`` holds that many examples out of the task's training split as a validation
+    split, dealt to the clients as the test split is (each client's own under ``files``; under
+    ``max_train_examples`` from the rows that cap leaves out, so training is what it was without one;
+    not on the synthetic tasks, which draw their examples from a model). ``eval_split: valid`` scores
+    every client on it instead of the test split, for choosing a learning rate or another setting
+    without looking at the test split (``eval/lr_sweep.py``); the report's title and ``summary.json``'s
+    ``eval_split`` say so. FedSoft's and IFCA's centre-by-source table stays on the test split.
     """
 
     name: str
@@ -232,6 +240,8 @@ class TaskSection(_Section):
     metric: Literal["accuracy", "f1", "mcc"] = "accuracy"
     clusters: int | None = Field(None, ge=1)
     data_fraction: float = Field(1.0, gt=0, le=1)
+    valid_examples: int | None = Field(None, ge=1)
+    eval_split: Literal["test", "valid"] = "test"
 
     @model_validator(mode="before")
     @classmethod
@@ -289,10 +299,13 @@ class TaskSection(_Section):
         if self.files is not None and "dirichlet_alpha" in changed:
             raise ValueError("dirichlet_alpha deals one data set over the clients; under task.files each client "
                              "reads its own file: drop it")
+        if self.eval_split == "valid" and self.valid_examples is None:
+            raise ValueError("task.eval_split: valid scores each client's validation split, and the task holds none: "
+                             "set task.valid_examples too (the examples to hold out of its training split)")
         try:
             task = self.spec()
             if not task.is_text:
-                check_small_options(task, self.clients, self.clusters, self.data_fraction)
+                check_small_options(task, self.clients, self.clusters, self.data_fraction, self.valid_examples)
         except UserError as error:
             raise ValueError(f"{error.problem}; {error.fix}") from None
         if task.is_text and "data_fraction" in small_keys:

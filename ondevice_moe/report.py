@@ -249,14 +249,13 @@ def format_bytes(count: float) -> str:
 def score_title(summary: dict[str, Any]) -> str:
     """What the table's numbers are, and which way is better."""
     metric = summary.get("metric", "perplexity")
-    if metric == "perplexity" and summary.get("eval_split") == "valid":
-        return ("VALIDATION perplexity (data.eval_split: valid), not test perplexity, after the last round "
-                "(lower is better)")
-    if metric == "perplexity":
-        return "Test perplexity after the last round (lower is better)"
-    if metric in LOWER_IS_BETTER:
-        return f"Test {metric} after the last round (lower is better)"
-    return f"Test {metric} ×100 after the last round (higher is better)"
+    scaled = metric if metric == "perplexity" or metric in LOWER_IS_BETTER else f"{metric} ×100"
+    better = "lower" if metric == "perplexity" or metric in LOWER_IS_BETTER else "higher"
+    if summary.get("eval_split") == "valid":
+        section = "data" if metric == "perplexity" else "task"
+        return (f"VALIDATION {scaled} ({section}.eval_split: valid), not test {metric}, after the last round "
+                f"({better} is better)")
+    return f"Test {scaled} after the last round ({better} is better)"
 
 
 def write_report(run_dir: Path, recipe_name: str, summary: dict[str, Any], plots: list[Path],
@@ -269,7 +268,7 @@ def write_report(run_dir: Path, recipe_name: str, summary: dict[str, Any], plots
     where = (f"Per-user columns are in distribution (each user's own {split} split); out of distribution is the "
              f"union of all users' {split} splits. Mean (std) over users."
              if summary.get("metric", "perplexity") == "perplexity" else
-             "Each client on its own test split; mean (std) over clients.")
+             f"Each client on its own {split} split; mean (std) over clients.")
     if any("mean_in" in m and "mean_out" not in m for m in summary["methods"].values()):
         where += (f" Out of distribution is {NOT_MEASURED} where the devices ran on Flower's deployment engine: "
                   "each device holds only its own data (docs/deployment.md).")

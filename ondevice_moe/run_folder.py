@@ -162,8 +162,10 @@ def finish_report(recipe: Recipe, run_dir: Path) -> RunResult:
 
 
 def eval_split(recipe: Recipe) -> str:
-    """The split a language model's perplexities are scored on (``data.eval_split``); tasks score on test."""
-    return recipe.data.eval_split if recipe.data is not None else "test"
+    """The split a run's users are scored on: ``data.eval_split`` or ``task.eval_split``."""
+    if recipe.data is not None:
+        return recipe.data.eval_split
+    return recipe.task.eval_split if recipe.task is not None else "test"
 
 
 def run_facts(recipe: Recipe, summary: dict[str, Any]) -> list[str]:

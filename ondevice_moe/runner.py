@@ -176,9 +176,10 @@ def evaluate_run(run_dir: Path, suite: str | None = None, device: str | None = N
 
     ``lm``: per-user test perplexity in and out of distribution; ``glue``: the task metric per
     client; ``None``: the suite of the run's own task. ``device`` (``auto`` | ``cpu`` | ``cuda``)
-    overrides the run's ``model.device``; ``split`` (``test`` | ``valid``) the split a language model
-    is scored on (``data.eval_split``: a run that chose its learning rate on ``valid`` scored on
-    ``test``, the same trained models); ``methods``: only these of the run's finished methods.
+    overrides the run's ``model.device``; ``split`` (``test`` | ``valid``) the split the users are
+    scored on (``data.eval_split`` or ``task.eval_split``: a run that chose its learning rate on
+    ``valid`` scored on ``test``, the same trained models); ``methods``: only these of the run's
+    finished methods.
     Returns a summary shaped like ``summary.json``.
     """
     from ondevice_moe.federation import device as dev
@@ -221,8 +222,8 @@ def last_round(records: list[dict[str, Any]], method: str) -> int:
 
 def finished_jobs(run_dir: Path, device: str | None = None, split: str | None = None) -> tuple[Recipe, list[Job]]:
     """A run folder's recipe and the jobs of its finished methods (``device`` overrides
-    ``model.device``, ``split`` ``data.eval_split``); a folder that is not a run, or has nothing
-    finished, is a :class:`UserError`."""
+    ``model.device``, ``split`` ``data.eval_split`` or ``task.eval_split``); a folder that is not a
+    run, or has nothing finished, is a :class:`UserError`."""
     recipe_file = Path(run_dir) / "recipe.yaml"
     if not recipe_file.is_file():
         raise UserError(f"{run_dir} is not a run folder (no recipe.yaml)", "pass the --output folder of a finetune run")
@@ -230,10 +231,11 @@ def finished_jobs(run_dir: Path, device: str | None = None, split: str | None = 
     if device is not None:
         apply_override(raw, f"model.device={device}")
     if split is not None:
-        if "data" not in raw:
-            raise UserError(f"--split scores a language model's users; {run_dir} is not a language-modelling run",
-                            "drop --split")
-        apply_override(raw, f"data.eval_split={split}")
+        section = "data" if raw.get("data") is not None else "task"  # a resolved recipe writes `data: null`
+        if split == "valid" and section == "task" and not (raw.get("task") or {}).get("valid_examples"):
+            raise UserError(f"--split valid scores the clients' validation split, and the run in {run_dir} holds "
+                            "none (its recipe has no task.valid_examples)", "drop --split, or use --split test")
+        apply_override(raw, f"{section}.eval_split={split}")
     recipe = validate_recipe(raw, source=str(recipe_file))
     try:
         finished = MetricsLog(Path(run_dir) / "metrics.jsonl").finished()

@@ -4,7 +4,10 @@ client; tokenized once per process.
 
 The same label proportions split the training and the test examples, so each
 client is tested on data with its own label skew; a client reading its own
-file is tested on that file's held-out rows. With ``clusters`` = C,
+file is tested on that file's held-out rows. With ``valid_examples`` a
+validation split is held out of the task's training split
+(:func:`~ondevice_moe.data.tasks.load_train_and_valid`) and dealt by the
+same proportions: a learning rate is chosen on it, never on the test split. With ``clusters`` = C,
 client ``k`` belongs to cluster ``c = k mod C`` and sees every label ``y`` as
 ``(y + c) mod L`` in training and test: a concept shift (FLoRAL §6's label
 shift, after Ghosh et al. 2020) that no single model fits.
@@ -17,7 +20,15 @@ from dataclasses import dataclass
 import torch
 
 from ondevice_moe.data.partition import dirichlet_partition, label_bins, partition_by_proportions
-from ondevice_moe.data.tasks import LabelledExamples, TaskSpec, get_task, load_client_tasks, load_task
+from ondevice_moe.data.tasks import (
+    LabelledExamples,
+    TaskSpec,
+    get_task,
+    load_client_tasks,
+    load_client_train_and_valid,
+    load_task,
+    load_train_and_valid,
+)
 from ondevice_moe.errors import UserError
 
 
@@ -40,14 +51,19 @@ class ClientExamples:
                 "labels": self.labels[rows]}
 
 
-ClientSplits = tuple[list[LabelledExamples], list[LabelledExamples]]  # each client's train and test examples
+# Each client's train, test and validation examples (no validation split: None).
+ClientSplits = tuple[list[LabelledExamples], list[LabelledExamples], list[LabelledExamples] | None]
 
 
 @dataclass
 class FederatedTask:
+    """A task dealt to clients: each client's ``train`` and ``test`` examples, and ``valid`` ones
+    where the task holds a validation split out of its training split."""
+
     task: TaskSpec
     train: list[ClientExamples]
     test: list[ClientExamples]
+    valid: list[ClientExamples] | None = None
 
 
 def build_federated_task(
@@ -60,47 +76,62 @@ def build_federated_task(
     max_train_examples: int | None = None,
     max_test_examples: int | None = None,
     clusters: int | None = None,
+    valid_examples: int | None = None,
 ) -> FederatedTask:
     """Load a task and deal it to ``num_clients``: client ``k`` reads file ``k`` of a task read one
     file per client, else a Dirichlet(α) label-skew partition; tokenize; with ``clusters``, shift the
     labels of cluster ``c = k mod clusters`` by ``c``. ``max_*_examples`` cap the task's split, or
-    each client's under one file per client."""
+    each client's under one file per client; ``valid_examples`` holds that many out of the training
+    split as a validation split (each client's, under one file per client)."""
     task = get_task(name)
     if task.file is not None and task.file.client_files:
-        train, test = _one_file_per_client(task, num_clients, seed, max_train_examples, max_test_examples)
+        train, test, valid = _one_file_per_client(task, num_clients, seed, max_train_examples, max_test_examples,
+                                                  valid_examples)
     else:
-        train, test = _dirichlet_clients(task, num_clients, alpha, seed, max_train_examples, max_test_examples)
+        train, test, valid = _dirichlet_clients(task, num_clients, alpha, seed, max_train_examples,
+                                                max_test_examples, valid_examples)
     label_dtype = torch.float32 if task.is_regression else torch.long
     shifts = [client % clusters if clusters else 0 for client in range(num_clients)]
-    return FederatedTask(
-        task=task,
-        train=[_shifted(_tokenize(examples, tokenizer, max_length, label_dtype), shift, task.num_labels)
-               for examples, shift in zip(train, shifts, strict=True)],
-        test=[_shifted(_tokenize(examples, tokenizer, max_length, label_dtype), shift, task.num_labels)
-              for examples, shift in zip(test, shifts, strict=True)],
-    )
+
+    def prepared(split: list[LabelledExamples]) -> list[ClientExamples]:
+        return [_shifted(_tokenize(examples, tokenizer, max_length, label_dtype), shift, task.num_labels)
+                for examples, shift in zip(split, shifts, strict=True)]
+
+    return FederatedTask(task=task, train=prepared(train), test=prepared(test),
+                         valid=None if valid is None else prepared(valid))
 
 
 def _dirichlet_clients(task: TaskSpec, num_clients: int, alpha: float, seed: int, max_train_examples: int | None,
-                       max_test_examples: int | None) -> ClientSplits:
-    """Each client's train and test examples, dealt by the same Dirichlet(α) label proportions."""
-    train = load_task(task, "train", max_train_examples, seed)
+                       max_test_examples: int | None, valid_examples: int | None) -> ClientSplits:
+    """Each client's train, test (and validation) examples, dealt by the same Dirichlet(α) label proportions."""
+    if valid_examples is None:
+        train, valid = load_task(task, "train", max_train_examples, seed), None
+    else:
+        train, valid = load_train_and_valid(task, max_train_examples, valid_examples, seed)
     test = load_task(task, "test", max_test_examples, seed)
     parts, proportions = dirichlet_partition(_classes(task, train.labels), num_clients, alpha, seed)
     test_parts = partition_by_proportions(_classes(task, test.labels), proportions, seed)
-    _check_test_parts(test_parts, len(test.labels), alpha)
-    return [_rows(train, rows) for rows in parts], [_rows(test, rows) for rows in test_parts]
+    _check_dealt(test_parts, len(test.labels), alpha, "test", "raise task.max_test_examples (or remove it)")
+    valid_parts = None
+    if valid is not None:
+        valid_parts = partition_by_proportions(_classes(task, valid.labels), proportions, seed)
+        _check_dealt(valid_parts, len(valid.labels), alpha, "validation", "raise task.valid_examples")
+    return ([_rows(train, rows) for rows in parts], [_rows(test, rows) for rows in test_parts],
+            None if valid is None else [_rows(valid, rows) for rows in valid_parts])
 
 
 def _one_file_per_client(task: TaskSpec, num_clients: int, seed: int, max_train_examples: int | None,
-                         max_test_examples: int | None) -> ClientSplits:
-    """Each client's train and test examples: client ``k``'s are file ``k``'s rows."""
+                         max_test_examples: int | None, valid_examples: int | None) -> ClientSplits:
+    """Each client's train, test (and validation) examples: client ``k``'s are file ``k``'s rows."""
     files = task.file.client_files
     if num_clients != len(files):
         raise UserError(f"task '{task.name}' has {num_clients} clients and {len(files)} files, one per client",
                         "give as many clients as files (task.clients may be left out), or name one file per client")
-    return (load_client_tasks(task, "train", max_train_examples, seed),
-            load_client_tasks(task, "test", max_test_examples, seed))
+    test = load_client_tasks(task, "test", max_test_examples, seed)
+    if valid_examples is None:
+        return load_client_tasks(task, "train", max_train_examples, seed), test, None
+    held = load_client_train_and_valid(task, max_train_examples, valid_examples, seed)
+    return [train for train, _ in held], test, [valid for _, valid in held]
 
 
 def _rows(examples: LabelledExamples, rows: list[int]) -> LabelledExamples:
@@ -114,15 +145,15 @@ def _shifted(examples: ClientExamples, shift: int, num_labels: int) -> ClientExa
     return examples
 
 
-def _check_test_parts(parts: list[list[int]], total: int, alpha: float) -> None:
-    """Every client needs test examples: its label proportions may give it none of a small test set."""
+def _check_dealt(parts: list[list[int]], total: int, alpha: float, split: str, more: str) -> None:
+    """Every client needs examples to be scored on: its label proportions may give it none of a small split."""
     empty = [client for client, rows in enumerate(parts) if not rows]
     if empty:
         who = f"client {empty[0]}" if len(empty) == 1 else f"clients {', '.join(map(str, empty))}"
         raise UserError(
-            f"{who} of {len(parts)} would get no test examples: the Dirichlet "
-            f"(alpha={alpha}) label proportions deal the {total} test examples to the other clients",
-            "raise task.max_test_examples (or remove it), use fewer task.clients, or a larger task.dirichlet_alpha",
+            f"{who} of {len(parts)} would get no {split} examples: the Dirichlet "
+            f"(alpha={alpha}) label proportions deal the {total} {split} examples to the other clients",
+            f"{more}, use fewer task.clients, or a larger task.dirichlet_alpha",
         )
 
 

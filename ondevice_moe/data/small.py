@@ -32,7 +32,11 @@
 
 Every client also has a test set from its own distribution; ``cluster_test``
 holds one test set per cluster or source, on which FedSoft scores its cluster
-models (and FLoRAL its optimal routing).
+models (and FLoRAL its optimal routing). With ``valid_examples`` the digits
+tasks hold that many of the 80 % training images out (a seeded draw) as a
+validation split, dealt to the clients as the training and test images are,
+for choosing a setting without the test split; the synthetic tasks, whose
+examples a generating model draws, have none (choose on another ``data_seed``).
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ FLORAL_ALPHA = 2.0
 FEDSOFT_SIGMA0 = 10.0
 FEDSOFT_SIZES = (100, 200)
 REDUCED_MINIMUM = 10
+VALID_DRAW = 2       # the validation draw's stream beside the split seed
 CLUSTER_TEST_EXAMPLES = 500
 SMALL_TASKS = tuple(name for name, task in TASKS.items() if not task.is_text)
 
@@ -80,6 +85,7 @@ class SmallFederatedTask:
     ``mixtures[k, c]``: client ``k``'s share of cluster (or source) ``c``,
     one-hot for hard clusters; ``None`` without ground-truth clusters.
     ``cluster_test[c]``: held-out examples of cluster ``c`` alone.
+    ``valid``: each client's validation examples, where the task holds them.
     """
 
     task: TaskSpec
@@ -87,6 +93,7 @@ class SmallFederatedTask:
     test: list[TensorExamples]
     mixtures: np.ndarray | None
     cluster_test: list[TensorExamples]
+    valid: list[TensorExamples] | None = None
 
 
 def build_small_task(
@@ -96,30 +103,36 @@ def build_small_task(
     clusters: int | None = None,
     alpha: float = 1.0,
     data_fraction: float = 1.0,
+    valid_examples: int | None = None,
 ) -> SmallFederatedTask:
     """The small task ``name`` over ``clients`` (default: the paper's K) with ``clusters`` (default: C).
 
     ``alpha`` is the Dirichlet concentration of ``digits-dirichlet``;
     ``data_fraction`` keeps that share of each client's training examples
-    (at least 10; 0.05 = FLoRAL's Reduced variant). The same arguments give
-    the same data.
+    (at least 10; 0.05 = FLoRAL's Reduced variant); ``valid_examples`` holds that
+    many training images of a digits task out as a validation split. The same
+    arguments give the same data.
     """
     task = get_task(name)
-    clients, clusters = check_small_options(task, clients, clusters, data_fraction)
+    clients, clusters = check_small_options(task, clients, clusters, data_fraction, valid_examples)
     rng = np.random.default_rng(seed)
     builder = _BUILDERS.get(name) or _BUILDERS[name.split("-", 1)[0]]
-    built = builder(task, clients, clusters, rng, alpha, seed)
+    built = builder(task, clients, clusters, rng, alpha, seed, valid_examples)
     if data_fraction < 1:
         built.train = [_reduced(examples, data_fraction, rng) for examples in built.train]
     return built
 
 
-def check_small_options(task: TaskSpec, clients: int | None, clusters: int | None, data_fraction: float = 1.0
-                        ) -> tuple[int, int | None]:
+def check_small_options(task: TaskSpec, clients: int | None, clusters: int | None, data_fraction: float = 1.0,
+                        valid_examples: int | None = None) -> tuple[int, int | None]:
     """``(clients, clusters)`` with the paper's defaults filled in; :class:`UserError` for what the task cannot do."""
     if task.is_text:
         raise UserError(f"task '{task.name}' is a text task, not a small task",
                         f"use one of {', '.join(SMALL_TASKS)}")
+    if valid_examples is not None and not task.name.startswith("digits"):
+        raise UserError(f"task '{task.name}' draws its examples from a generating model and holds no validation "
+                        "split (task.valid_examples)",
+                        "drop task.valid_examples, and choose a setting on data of another data_seed")
     clients = task.clients if clients is None else clients
     if task.clusters is None:
         if clusters is not None:
@@ -223,19 +236,24 @@ def mixture_counts(shares: np.ndarray, count: int) -> np.ndarray:
 
 
 def digits_task(task: TaskSpec, clients: int, clusters: int | None, rng: np.random.Generator, alpha: float,
-                seed: int) -> SmallFederatedTask:
+                seed: int, valid_examples: int | None = None) -> SmallFederatedTask:
     """Digits clustered by rotation / label shift (``clusters``), or by Dirichlet(``alpha``) label skew."""
     images, labels = _digits()
-    train, test = (np.array(rows) for rows in fixed_split(len(labels)))
+    train, test, valid = _digit_rows(seed, valid_examples)
     if clusters is None:
         train_parts, proportions = dirichlet_partition(labels[train].tolist(), clients, alpha, seed)
-        test_parts = partition_by_proportions(labels[test].tolist(), proportions, seed)
+
+        def deal_like_train(rows: np.ndarray) -> list[TensorExamples]:
+            parts = partition_by_proportions(labels[rows].tolist(), proportions, seed)
+            return [_digit_examples(images, labels, rows[part]) for part in parts]
+
         return SmallFederatedTask(
             task,
             train=[_digit_examples(images, labels, train[part]) for part in train_parts],
-            test=[_digit_examples(images, labels, test[part]) for part in test_parts],
+            test=deal_like_train(test),
             mixtures=None,
             cluster_test=[],
+            valid=None if valid is None else deal_like_train(valid),
         )
     rotate, shift = "rotate" in task.name, "shift" in task.name
     membership = [k % clusters for k in range(clients)]
@@ -251,16 +269,17 @@ def digits_task(task: TaskSpec, clients: int, clusters: int | None, rng: np.rand
         test=deal(test),
         mixtures=_one_hot(membership, clusters),
         cluster_test=[_digit_examples(images, labels, test, c * rotate, c * shift) for c in range(clusters)],
+        valid=None if valid is None else deal(valid),
     )
 
 
-def rotated_digit_mixture(task: TaskSpec, clients: int, sources: int, rng: np.random.Generator, *_
-                          ) -> SmallFederatedTask:
+def rotated_digit_mixture(task: TaskSpec, clients: int, sources: int, rng: np.random.Generator, _alpha: float,
+                          seed: int, valid_examples: int | None = None) -> SmallFederatedTask:
     """FedSoft's rotated mixtures (§5, App. C's CIFAR-10 "original and rotated by 90°") on digits:
     source ``s`` turns its images by 90°·s, and each client's training and test examples are
     turned in the shares of the task's 10:90 or 30:70 partition (:func:`fedsoft_mixtures`)."""
     images, labels = _digits()
-    train, test = (np.array(rows) for rows in fixed_split(len(labels)))
+    train, test, valid = _digit_rows(seed, valid_examples)
     mixtures = fedsoft_mixtures(task.name.removeprefix("digits-rotate-"), clients, sources, rng)
 
     def deal(rows: np.ndarray) -> list[TensorExamples]:
@@ -273,7 +292,23 @@ def rotated_digit_mixture(task: TaskSpec, clients: int, sources: int, rng: np.ra
         test=deal(test),
         mixtures=mixtures,
         cluster_test=[_digit_examples(images, labels, test, s) for s in range(sources)],
+        valid=None if valid is None else deal(valid),
     )
+
+
+def _digit_rows(seed: int, valid_examples: int | None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """The training, test and validation rows of the digits: the fixed 80 / 20 split, and
+    ``valid_examples`` of the training rows held out by a draw of their own (seeded by ``seed``), so
+    the rest of the task's draws are those it makes without a validation split."""
+    train, test = (np.array(rows) for rows in fixed_split(len(_digits()[1])))
+    if valid_examples is None:
+        return train, test, None
+    if not 0 < valid_examples < len(train):
+        raise UserError(f"task.valid_examples={valid_examples}: the digits tasks train on {len(train)} images",
+                        f"hold out fewer, e.g. {len(train) // 5} (a fifth)")
+    held = np.zeros(len(train), dtype=bool)
+    held[np.random.default_rng([seed, VALID_DRAW]).choice(len(train), valid_examples, replace=False)] = True
+    return train[~held], test, train[held]
 
 
 def _mixed_digits(images: np.ndarray, labels: np.ndarray, rows: np.ndarray, shares: np.ndarray) -> TensorExamples:

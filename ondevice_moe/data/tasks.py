@@ -180,6 +180,23 @@ def user_task(name: str, labels: Sequence[str], file: UserTaskFile, metric: str 
 
 def load_task(name: str | TaskSpec, split: str, max_examples: int | None = None, seed: int = 0) -> LabelledExamples:
     """One split (``train`` or ``test``) of a text task, optionally a seeded random subset of ``max_examples``."""
+    return _subset(_whole_split(name, split, max_examples), max_examples, seed)
+
+
+def load_train_and_valid(name: str | TaskSpec, max_train_examples: int | None, valid_examples: int,
+                         seed: int = 0) -> tuple[LabelledExamples, LabelledExamples]:
+    """A text task's training examples and ``valid_examples`` validation examples held out of its train
+    split, for choosing a setting without looking at the test split.
+
+    Under ``max_train_examples`` the training examples are the very ones :func:`load_task` gives, and the
+    validation examples a seeded draw from the rows that cap leaves out: a recipe that adds a
+    validation split trains on what it trained on before. Without a cap the validation rows come out
+    of the training examples."""
+    return _held_out(_whole_split(name, "train", max_train_examples), max_train_examples, valid_examples, seed,
+                     f"task '{get_task(name).name}'")
+
+
+def _whole_split(name: str | TaskSpec, split: str, max_examples: int | None) -> LabelledExamples:
     task = _text_task(name, split, max_examples)
     if task.file is not None and task.file.client_files:
         raise UserError(f"task '{task.name}' is read one file per client",
@@ -191,7 +208,7 @@ def load_task(name: str | TaskSpec, split: str, max_examples: int | None = None,
     else:
         examples = _glue_split(task.name, split)
     check_labels(task, examples.labels)
-    return _subset(examples, max_examples, seed)
+    return examples
 
 
 def load_client_tasks(name: str | TaskSpec, split: str, max_examples: int | None = None,
@@ -199,13 +216,27 @@ def load_client_tasks(name: str | TaskSpec, split: str, max_examples: int | None
     """Each client's split of a task read one file per client: client ``k`` holds file ``k``'s rows,
     cut 80 / 20 as any user file; ``max_examples`` caps each client's split (a seeded subset)."""
     task = _text_task(name, split, max_examples)
+    return [_subset(_split(examples, split), max_examples, seed) for examples in _client_files(task)]
+
+
+def load_client_train_and_valid(name: str | TaskSpec, max_train_examples: int | None, valid_examples: int,
+                                seed: int = 0) -> list[tuple[LabelledExamples, LabelledExamples]]:
+    """Each client's training examples and ``valid_examples`` validation examples held out of its file's
+    train rows, as :func:`load_train_and_valid` holds them out of one data set's."""
+    task = _text_task(name, "train", max_train_examples)
+    return [_held_out(_split(examples, "train"), max_train_examples, valid_examples, seed, f"client file {path}")
+            for path, examples in zip(task.file.client_files, _client_files(task), strict=True)]
+
+
+def _client_files(task: TaskSpec) -> list[list[Example]]:
+    """Every client file's rows, checked, in the fixed shuffled order."""
     files = task.file.client_files if task.file is not None else ()
     if not files:
         raise UserError(f"task '{task.name}' is not read one file per client", "load it with load_task")
     per_client = [_user_examples(task, path, require_two_classes=False) for path in files]
     _check_two_classes(task, [label for examples in per_client for _, label in examples],
                        f"the {len(files)} client files")
-    return [_subset(_split(examples, split), max_examples, seed) for examples in per_client]
+    return per_client
 
 
 def _text_task(name: str | TaskSpec, split: str, max_examples: int | None) -> TaskSpec:
@@ -255,10 +286,41 @@ def _valid_labels(task: TaskSpec) -> str:
 
 
 def _subset(examples: LabelledExamples, max_examples: int | None, seed: int) -> LabelledExamples:
-    if max_examples is None or max_examples >= len(examples.labels):
-        return examples
-    chosen = random.Random(seed).sample(range(len(examples.labels)), max_examples)
-    return LabelledExamples([examples.texts[i] for i in chosen], [examples.labels[i] for i in chosen])
+    return _rows(examples, _chosen(len(examples.labels), max_examples, seed))
+
+
+def _chosen(count: int, max_examples: int | None, seed: int) -> list[int]:
+    """The rows :func:`_subset` keeps of ``count``: all, or a seeded sample of ``max_examples``."""
+    if max_examples is None or max_examples >= count:
+        return list(range(count))
+    return random.Random(seed).sample(range(count), max_examples)
+
+
+def _held_out(examples: LabelledExamples, max_train_examples: int | None, valid_examples: int, seed: int,
+              where: str) -> tuple[LabelledExamples, LabelledExamples]:
+    """Training rows as :func:`_subset` keeps them and ``valid_examples`` validation rows drawn (seeded)
+    from the rest; without a cap the validation rows are drawn first and training keeps the rest."""
+    count = len(examples.labels)
+    if max_train_examples is None:
+        valid = set(random.Random(seed).sample(range(count), min(valid_examples, count)))
+        train = [row for row in range(count) if row not in valid]
+    else:
+        train = _chosen(count, max_train_examples, seed)
+        kept = set(train)
+        valid = [row for row in range(count) if row not in kept]
+        if len(valid) < valid_examples:
+            raise UserError(f"{where} has {count} training rows: {len(train)} for training leave {len(valid)} for "
+                            f"the {valid_examples} validation examples asked for",
+                            "lower task.valid_examples or task.max_train_examples")
+        valid = random.Random(seed + 1).sample(valid, valid_examples)
+    if not train or not valid:
+        raise UserError(f"{where} has {count} training rows, too few to hold {valid_examples} out for validation "
+                        "and still train", "lower task.valid_examples")
+    return _rows(examples, train), _rows(examples, sorted(valid))
+
+
+def _rows(examples: LabelledExamples, rows: Sequence[int]) -> LabelledExamples:
+    return LabelledExamples([examples.texts[i] for i in rows], [examples.labels[i] for i in rows])
 
 
 def _glue_split(name: str, split: str) -> LabelledExamples:
@@ -373,4 +435,5 @@ def _class_index(task: TaskSpec, label: object) -> object:
 
 
 __all__ = ["MIN_USER_EXAMPLES", "OFFLINE_TASKS", "TASKS", "LabelledExamples", "TaskSpec", "UserTaskFile",
-           "check_labels", "fixed_split", "get_task", "load_client_tasks", "load_task", "user_task"]
+           "check_labels", "fixed_split", "get_task", "load_client_tasks", "load_client_train_and_valid", "load_task",
+           "load_train_and_valid", "user_task"]

@@ -16,8 +16,8 @@ from flwr.app import RecordDict
 from torch import nn
 
 from ondevice_moe.data.blocks import BlockExamples
-from ondevice_moe.data.classification import FederatedTask, build_federated_task
-from ondevice_moe.data.small import SmallFederatedTask, build_small_task
+from ondevice_moe.data.classification import ClientExamples, FederatedTask, build_federated_task
+from ondevice_moe.data.small import SmallFederatedTask, TensorExamples, build_small_task
 from ondevice_moe.data.sources import device_source_kind
 from ondevice_moe.data.splits import SourceSpec, UserData, build_user_data
 from ondevice_moe.errors import UserError
@@ -91,11 +91,21 @@ def federated_task(job: Job) -> FederatedTask | SmallFederatedTask:
         if spec.is_text:
             _TASKS[key] = build_federated_task(
                 spec, task.clients, task.dirichlet_alpha, job_base_model(job).tokenizer, task.max_length,
-                job.recipe.split_seed, task.max_train_examples, task.max_test_examples, task.clusters)
+                job.recipe.split_seed, task.max_train_examples, task.max_test_examples, task.clusters,
+                task.valid_examples)
         else:
             _TASKS[key] = build_small_task(task.name, task.clients, job.recipe.split_seed, task.clusters,
-                                           task.dirichlet_alpha, task.data_fraction)
+                                           task.dirichlet_alpha, task.data_fraction, task.valid_examples)
     return _TASKS[key]
+
+
+def scored_examples(job: Job, device: int) -> ClientExamples | TensorExamples:
+    """The examples a client's task metric is scored on: its ``task.eval_split`` (the test split, or
+    the validation split held out of training for choosing a learning rate)."""
+    task = federated_task(job)
+    if job.recipe.task.eval_split == "valid":
+        return task.valid[device]  # the recipe holds task.valid_examples, so the task was built with them
+    return task.test[device]
 
 
 _DATA: dict[tuple[str, int], UserData] = {}  # keyed by the data section, model, seed, data-path and user
@@ -576,7 +586,7 @@ class JobDevice:
         return federated_task(self.job).train[self.index]
 
     def test_examples(self) -> Any:
-        return federated_task(self.job).test[self.index]
+        return scored_examples(self.job, self.index)
 
     def build_model(self, seed: int | None = None) -> nn.Module:
         return build_model(self.job, self.index, seed=seed)

@@ -116,9 +116,8 @@ def _user_perplexities(user: int, own: BlockLosses, union: BlockLosses | None) -
 
 
 def _classifier(job: Job, device: int, model: nn.Module) -> dict[str, float]:
-    federated = dev.federated_task(job)
-    examples = federated.test[device]  # non-empty: build_federated_task checks every client's test share
-    task = federated.task
+    examples = dev.scored_examples(job, device)  # non-empty: build_federated_task checks every client's share
+    task = dev.federated_task(job).task
     predictions = predict(model, examples, job.recipe.task.eval_batch_size, task.is_regression)
     score = task_score(task.metric, predictions.numpy(), examples.labels.numpy())
     return {"num-examples": len(examples), f"user_{device}/score": reported(task.metric, score)}

@@ -70,7 +70,7 @@ class OnDevice(Protocol):
         ...
 
     def test_examples(self) -> Any:
-        """A classifier's held-out examples of this device."""
+        """A classifier's held-out examples of this device: those it is scored on (``task.eval_split``)."""
         ...
 
     def cluster_tests(self) -> list[Any] | None:
