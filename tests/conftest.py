@@ -52,3 +52,20 @@ def saved_tiny_models(tmp_path_factory):
         byte_tokenizer().save_pretrained(folder)
         folders[name] = folder
     return folders
+
+
+@pytest.fixture(scope="session")
+def runs_on_each_split(tmp_path_factory):
+    """``run(recipe_path, split_key, overrides)``: the recipe run twice, once scored on each split
+    (``split_key=test`` and ``split_key=valid``, the same training otherwise); ``split -> RunResult``."""
+    from ondevice_moe import runner
+    from ondevice_moe.recipe import load_recipe
+
+    def run(recipe_path, split_key: str, overrides: list[str]) -> dict:
+        runs = {}
+        for split in ("test", "valid"):
+            recipe = load_recipe(recipe_path, [f"{split_key}={split}", *overrides])
+            runs[split] = runner.run_recipe(recipe, tmp_path_factory.mktemp(split) / "run")
+        return runs
+
+    return run

@@ -55,13 +55,9 @@ def test_eval_split_is_test_or_valid():
 
 
 @pytest.fixture(scope="module")
-def pretrained_runs(tmp_path_factory):
+def pretrained_runs(runs_on_each_split):
     """The untrained model scored on each split: no training noise, so the figures differ by the split only."""
-    runs = {}
-    for split in ("test", "valid"):
-        recipe = load_recipe(TINY, [f"data.eval_split={split}", "methods=[pretrained]"])
-        runs[split] = runner.run_recipe(recipe, tmp_path_factory.mktemp(split) / "run")
-    return runs
+    return runs_on_each_split(TINY, "data.eval_split", ["methods=[pretrained]"])
 
 
 def test_a_validation_run_says_so_in_its_summary_and_report(pretrained_runs):

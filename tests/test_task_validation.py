@@ -156,14 +156,10 @@ def test_a_client_is_scored_on_its_validation_examples_under_eval_split_valid():
 
 
 @pytest.fixture(scope="module")
-def flow_runs(tmp_path_factory):
+def flow_runs(runs_on_each_split):
     """Flow on digits for one round, scored on each split: the same training, two splits."""
-    runs = {}
-    for split in ("test", "valid"):
-        recipe = load_recipe(FLOW, [f"task.eval_split={split}", "task.valid_examples=240", "federation.rounds=1",
-                                    "federation.eval_every=1"])
-        runs[split] = runner.run_recipe(recipe, tmp_path_factory.mktemp(split) / "run")
-    return runs
+    return runs_on_each_split(FLOW, "task.eval_split", ["task.valid_examples=240", "federation.rounds=1",
+                                                        "federation.eval_every=1"])
 
 
 def test_a_classifiers_validation_run_says_so_and_rescores_on_test_from_the_same_models(flow_runs):
