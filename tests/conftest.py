@@ -1,4 +1,5 @@
 import os
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
@@ -61,7 +62,7 @@ def runs_on_each_split(tmp_path_factory):
     from ondevice_moe import runner
     from ondevice_moe.recipe import load_recipe
 
-    def run(recipe_path, split_key: str, overrides: list[str]) -> dict:
+    def run(recipe_path: Path, split_key: str, overrides: list[str]) -> dict:
         runs = {}
         for split in ("test", "valid"):
             recipe = load_recipe(recipe_path, [f"{split_key}={split}", *overrides])
