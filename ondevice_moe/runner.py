@@ -10,6 +10,7 @@ The folder itself, and the report written from its log, are :mod:`ondevice_moe.r
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import warnings
@@ -22,6 +23,7 @@ from ondevice_moe import strict_yaml
 from ondevice_moe.errors import UserError, failure_line
 from ondevice_moe.federation.job import JOB_ENV, Job
 from ondevice_moe.federation.node import folder_node
+from ondevice_moe.folder_lock import FolderBusy, folder_lock
 from ondevice_moe.overrides import apply_override
 from ondevice_moe.plan import UserCounts, data_counts
 from ondevice_moe.recipe import Recipe, validate_recipe
@@ -53,26 +55,56 @@ def run_recipe(
     on_round: Callable[[int, int, str], None] | None = None,
     federation: str | None = None,
     overwrite: bool = False,
+    bound: dict[int, str] | None = None,
 ) -> RunResult:
     """Run every method of ``recipe`` into the run folder (``output``, default ``runs/<name>``) and
     write the report: in Flower's simulation on this machine, or, with ``federation`` (a SuperLink
     named in Flower's connection config), on real devices (:mod:`ondevice_moe.federation.submit`),
-    where the data lives on the devices and is not checked here.
+    where the data lives on the devices and is not checked here, the run folder lives on the server,
+    and ``output`` receives its report and records; ``bound``: user slots bound to SuperNode keys.
 
     The folder is written only once the inputs check out: input that fails its checks leaves no
     folder behind. ``overwrite`` replaces the run already in the folder (another recipe's, or this
     one's to start over); without it a run of this recipe resumes and one of another is refused."""
+    run_dir = run_dir_of(recipe, output)
     if federation is not None:
         from ondevice_moe.federation.job import with_deployment_defaults
 
-        recipe = with_deployment_defaults(recipe)
-    run_dir = run_dir_of(recipe, output)
+        return _run_on_devices(with_deployment_defaults(recipe), run_dir, on_method, on_round, federation,
+                               overwrite, bound)
     kept = kept_methods(recipe, run_dir, overwrite)
-    if federation is None and any(recipe.method_name(i) not in kept for i in range(len(recipe.methods))):
+    if any(recipe.method_name(i) not in kept for i in range(len(recipe.methods))):
         check_inputs(recipe)  # a finished run's rerun writes its report without loading anything
     with run_lock(run_dir):
         prepare_run_dir(recipe, run_dir, overwrite)
-        return _run_methods(recipe, run_dir, on_method, on_round, federation)
+        return _run_methods(recipe, run_dir, on_method, on_round)
+
+
+def _run_on_devices(recipe: Recipe, run_dir: Path, on_method: Callable[[str, int, int], None] | None,
+                    on_round: Callable[[int, int, str], None] | None, federation: str, overwrite: bool,
+                    bound: dict[int, str] | None) -> RunResult:
+    """The recipe as one Flower run on the SuperLink ``federation``; ``run_dir`` receives the server's
+    report and records. A failed or stopped run is a :class:`UserError` after its files arrived."""
+    from ondevice_moe.federation.device_paths import refuse_device_paths
+    from ondevice_moe.federation.submit import submit_run
+
+    refuse_device_paths(recipe)  # before anything is sent
+    kept_methods(recipe, run_dir, overwrite)  # a folder of another run is refused here already
+    with run_lock(run_dir):
+        outcome = submit_run(recipe, run_dir, federation, on_method, on_round, overwrite, bound)
+    report = run_dir / "report.md"
+    if outcome["status"] == "stopped":
+        raise UserError(f"the run was stopped on the SuperLink '{federation}'", "run the same command again to "
+                        "continue it from its last completed round")
+    if outcome["status"] != "finished":
+        raise UserError(outcome.get("message") or "the run failed on the server", "fix the cause and run the same "
+                        f"command again: finished methods and completed rounds are kept (report: {report})")
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        raise UserError(f"the run finished, but its summary did not arrive whole ({error})",
+                        "run the same command again to fetch the run's files") from None
+    return RunResult(run_dir, summary, report)
 
 
 LOCK = ".lock"
@@ -80,54 +112,25 @@ LOCK = ".lock"
 
 @contextmanager
 def run_lock(run_dir: Path) -> Iterator[None]:
-    """Hold the run folder for this process (``.lock`` with its pid) while it runs: a second
-    ``finetune`` into the same folder is refused while the first lives; a lock its dead owner left is taken over.
-    A new folder is created."""
-    lock = run_dir / LOCK
-    for _ in range(2):
-        try:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            handle = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            if not run_dir.is_dir():
-                raise UserError(f"the run folder {run_dir} is a file", "choose another --output folder") from None
-            owner = _lock_owner(lock)
-            if owner is not None and _alive(owner):
-                raise UserError(f"another ondevice-moe run (pid {owner}) is writing to {run_dir}",
-                                "wait for it to finish, or choose another --output folder") from None
-            lock.unlink(missing_ok=True)  # its owner is gone: take the folder over
-            continue
-        except OSError as error:
-            raise UserError(f"cannot use the run folder {run_dir} ({error.strerror or error})",
-                            "choose another --output folder") from None
-        with os.fdopen(handle, "w") as file:
-            file.write(str(os.getpid()))
-        break
+    """Hold the run folder for this process (:func:`~ondevice_moe.folder_lock.folder_lock` on ``.lock``)
+    while it runs: a second ``finetune`` into the same folder is refused while the first lives; once its
+    holder has ended, however it ended, the folder is free. A new folder is created."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise UserError(f"the run folder {run_dir} is a file", "choose another --output folder")
     try:
-        yield
-    finally:
-        lock.unlink(missing_ok=True)
-
-
-def _lock_owner(lock: Path) -> int | None:
-    try:
-        return int(lock.read_text(encoding="utf-8").strip())
-    except (OSError, ValueError):
-        return None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        run_dir.mkdir(parents=True, exist_ok=True)
+        with folder_lock(run_dir / LOCK, {"pid": os.getpid()}):
+            yield
+    except FolderBusy as busy:
+        raise UserError(f"another ondevice-moe run (pid {busy.holder.get('pid', '?')}) is writing to {run_dir}",
+                        "wait for it to finish, or choose another --output folder") from None
+    except OSError as error:
+        raise UserError(f"cannot use the run folder {run_dir} ({error.strerror or error})",
+                        "choose another --output folder") from None
 
 
 def _run_methods(recipe: Recipe, run_dir: Path, on_method: Callable[[str, int, int], None] | None,
-                 on_round: Callable[[int, int, str], None] | None, federation: str | None) -> RunResult:
+                 on_round: Callable[[int, int, str], None] | None) -> RunResult:
     log = MetricsLog(run_dir / "metrics.jsonl")
     finished = log.finished()
     pending = [Job(recipe, index, run_dir) for index in range(len(recipe.methods))
@@ -139,17 +142,7 @@ def _run_methods(recipe: Recipe, run_dir: Path, on_method: Callable[[str, int, i
         if on_method is not None:
             on_method(job.method.name, job.method_index, len(recipe.methods))
 
-    if federation is None:
-        _simulate_all(pending, announce, on_round)
-    else:
-        from ondevice_moe.federation.submit import submit
-
-        for job in pending:
-            announce(job)
-            try:
-                submit(job, federation, on_round)
-            except Exception as error:  # the ServerApp logged the cause where it could; this is the driver's
-                log.write({"method": job.method.name, "kind": "error", "message": failure_line(error)})
+    _simulate_all(pending, announce, on_round)
     failures = [f"method '{job.method.name}' did not finish: {_cause(log, job)}"
                 for job in pending if job.method.name not in log.finished()]  # the other methods went on
     result = finish_report(recipe, run_dir)

@@ -121,24 +121,27 @@ def test_unusable_run_folder_is_one_user_error(tmp_path, damage):
 
 
 def test_a_second_run_into_a_folder_in_use_is_refused_and_a_dead_owners_lock_taken_over(tmp_path, monkeypatch):
-    import os
-    import subprocess
-
     recipe = load_recipe(TINY)
     run_dir = runner.prepare_run_dir(recipe, tmp_path / "run")
     monkeypatch.setattr(runner, "check_inputs", lambda _: None)
     simulated = []
     monkeypatch.setattr(runner, "_simulate", lambda jobs, *_: simulated.extend(job.method.name for job in jobs))
-    (run_dir / runner.LOCK).write_text(str(os.getpid()))  # a live owner: this very process
-    with pytest.raises(UserError, match=f"another ondevice-moe run \\(pid {os.getpid()}\\) is writing"):
+    holder = subprocess.Popen([sys.executable, "-c", (  # a live run holding the folder
+        "import time; from pathlib import Path; from ondevice_moe.runner import run_lock\n"
+        f"with run_lock(Path({str(run_dir)!r})):\n    print('held', flush=True); time.sleep(60)")],
+        stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    with pytest.raises(UserError, match=f"another ondevice-moe run \\(pid {holder.pid}\\) is writing"):
         runner.run_recipe(recipe, run_dir)
     assert simulated == []
-    gone = subprocess.Popen(["true"])
-    gone.wait()
-    (run_dir / runner.LOCK).write_text(str(gone.pid))  # its owner was killed
+    os.kill(holder.pid, signal.SIGKILL)  # killed: a zombie until reaped, its pid still taken
+    while Path(f"/proc/{holder.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+        time.sleep(0.05)
+    (run_dir / runner.LOCK).write_text(json.dumps({"pid": os.getpid()}))  # even naming a live pid holds nothing
     with pytest.raises(UserError, match="did not finish"):  # the stub trains nothing, but the run went ahead
         runner.run_recipe(recipe, run_dir)
-    assert simulated == ["pretrained", "fedavg", "comigs-1G1S"] and not (run_dir / runner.LOCK).exists()
+    holder.wait()
+    assert simulated == ["pretrained", "fedavg", "comigs-1G1S"] and (run_dir / runner.LOCK).read_text() == ""
 
 
 def test_a_folder_where_nothing_ran_takes_the_corrected_recipe(tmp_path):
