@@ -74,16 +74,34 @@ def finetune(
              "($FLWR_HOME/config.toml; docs/deployment.md). Default: Flower's simulation on this machine.")] = None,
     trust_plugins: Annotated[bool, typer.Option(
         "--trust-plugins", help="Run the code of the method plug-in files the recipe names (plugins:).")] = False,
+    bind: Annotated[list[str], typer.Option(
+        "--bind", help="With --federation: USER=KEY.pub gives the user's slot to the SuperNode with that key for "
+                       "the whole run (default: the first key to claim it).")] = [],  # noqa: B006
+    stop: Annotated[bool, typer.Option(
+        "--stop", help="With --federation: stop the run of this recipe and --output on the SuperLink (a rerun "
+                       "continues it).")] = False,
 ) -> None:
     """Fine-tune every method of a recipe through Flower and write the report."""
     from ondevice_moe.federation.job import Job
     from ondevice_moe.recipe import load_recipe
-    from ondevice_moe.runner import run_recipe
+    from ondevice_moe.runner import run_dir_of, run_recipe
 
     overrides = [*set_, f"model.device={device}"] if device else set_
     _trust(trust_plugins)
     try:
+        if (bind or stop) and federation is None:
+            raise UserError("--bind and --stop are for runs on real devices", "add --federation NAME")
         loaded = load_recipe(find_recipe(recipe), overrides, seed)
+        if stop:
+            from ondevice_moe.federation.submit import stop_run
+
+            run = stop_run(run_dir_of(loaded, output), federation)
+            console.print(f"stopped Flower run {run} on SuperLink '{escape(federation)}': run the same command "
+                          "without --stop to continue it from its last completed round")
+            return
+        from ondevice_moe.federation.slots import parse_bindings
+
+        bound = parse_bindings(bind, loaded.user_names)
         if dry_run:
             _print_plan(loaded, output, read_data=federation is None)
             return
@@ -108,7 +126,7 @@ def finetune(
 
             if federation is not None:
                 _warn_if_insecure(federation)
-            result = run_recipe(loaded, output, on_method, on_round, federation, overwrite)
+            result = run_recipe(loaded, output, on_method, on_round, federation, overwrite, bound)
     except UserError as error:
         _fail(error)
     _print_summary(result.summary)
@@ -278,6 +296,8 @@ def _print_summary(summary: dict, traffic: bool = True) -> None:
         if method.get("dropped"):
             users = ", ".join(f"{user} ({count} round{'s' * (count > 1)})" for user, count in method["dropped"].items())
             console.print(f"[yellow]dropped:[/] {escape(name)}: {escape(users)} (see report.md)")
+        for reason in method.get("refused", []):
+            console.print(f"[red]refused:[/] {escape(name)}: {escape(reason)}", soft_wrap=True)
 
 
 @app.command("device")
@@ -288,17 +308,63 @@ def device_runtime(
     root_certificates: Annotated[Path | None, typer.Option(
         help="CA certificate of the SuperNode's Runtime API TLS (--ssl-certfile); without it, plain HTTP on "
              "loopback.")] = None,
+    superlink: Annotated[str | None, typer.Option(
+        help="Start this device's SuperNode too, against the SuperLink at HOST:PORT, and keep it running: "
+             "started again, with growing pauses, whenever it exits.")] = None,
+    node_config: Annotated[str | None, typer.Option(
+        help="With --superlink: the SuperNode's --node-config (partition-id, data-path, state-dir).")] = None,
+    superlink_ca: Annotated[Path | None, typer.Option(
+        help="With --superlink: the CA certificate of the SuperLink's TLS (its ca.crt).")] = None,
+    key: Annotated[Path | None, typer.Option(
+        help="With --superlink: this device's private key for SuperNode authentication.")] = None,
+    insecure: Annotated[bool, typer.Option(
+        "--insecure", help="With --superlink: no TLS to the SuperLink (a trusted lab network only).")] = False,
 ) -> None:
     """Run this device's ClientApp tasks in one long-lived process: imports and the base model once, not per
-    message (docs/deployment.md). Stop it with Ctrl-C."""
+    message (docs/deployment.md). With --superlink it also starts this device's SuperNode and keeps it
+    running. Stop it with Ctrl-C or SIGTERM."""
+    import signal
+
     from ondevice_moe.federation.device_runtime import serve
 
+    supervisor = None
     try:
+        if superlink is not None:
+            supervisor = _supervised_supernode(superlink, node_config, superlink_ca, key, insecure, runtime_api)
+            signal.signal(signal.SIGTERM, _interrupted)  # a service manager's stop: stop the SuperNode too
         serve(runtime_api, root_certificates)
     except UserError as error:
         _fail(error)
     except KeyboardInterrupt:
         raise typer.Exit(code=0) from None
+    finally:
+        if supervisor is not None:
+            supervisor.stop()
+
+
+def _interrupted(*_: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _supervised_supernode(superlink: str, node_config: str | None, ca: Path | None, key: Path | None,
+                          insecure: bool, runtime_api: str):
+    """Start this device's SuperNode (and keep it running) for ``ondevice-moe device --superlink``."""
+    from flwr.supercore import log
+
+    from ondevice_moe.federation.supervisor import Supervisor, supernode_command
+
+    if node_config is None:
+        raise UserError("--superlink needs --node-config", "give the device's partition-id, data-path and state-dir "
+                        "(docs/deployment.md)")
+    if (ca is None) == (not insecure):
+        raise UserError("give --superlink-ca (TLS, the default) or --insecure, one of them",
+                        "copy the federation's ca.crt to this device and pass --superlink-ca ca.crt")
+    port = runtime_api.rpartition(":")[2]
+    if not port.isdigit():
+        raise UserError(f"--runtime-api {runtime_api} has no port", "give HOST:PORT, e.g. 127.0.0.1:9094")
+    supervisor = Supervisor(supernode_command(superlink, node_config, int(port), ca, key), log)
+    supervisor.start()
+    return supervisor
 
 
 @app.command("inspect")

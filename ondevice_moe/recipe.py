@@ -395,7 +395,9 @@ class FederationSection(_Section):
     Byzantine-robust ``median``, ``trimmed-mean`` (``trim_fraction`` cut from each end) or ``krum``
     (``byzantine`` devices assumed to lie) for methods whose rule is a plain weighted mean
     (:mod:`ondevice_moe.federation.robust`); ``update_norm_bound``: an upload whose L2 norm exceeds this
-    many times the norm of what the server holds (at least 1) is rejected (``null``: no bound).
+    many times the norm of what the server holds (at least 1) is rejected (``null``: no bound);
+    ``join_wait_s``: on real devices, how long a method waits for every device before it starts with
+    at least ``min_clients`` of them (the others join from the round after they connect).
     """
 
     rounds: int = Field(20, ge=1)
@@ -419,6 +421,7 @@ class FederationSection(_Section):
     trim_fraction: float = Field(0.2, ge=0, lt=0.5)
     byzantine: int = Field(1, ge=0)
     update_norm_bound: float | None = Field(100.0, gt=0)
+    join_wait_s: float = Field(60.0, ge=0)
 
     @model_validator(mode="after")
     def _one_sampling_rule(self) -> FederationSection:

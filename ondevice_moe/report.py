@@ -76,6 +76,15 @@ class MetricsLog:
         kept = [r for r in self.read() if r.get("method") != method]
         self._replace("".join(json.dumps(r, sort_keys=True) + "\n" for r in kept))
 
+    def discard_after(self, method: str, server_round: int) -> None:
+        """Remove ``method``'s records of the rounds after ``server_round`` and its ``error`` records (an
+        attempt cut short, which a continued run replaces), atomically."""
+        def later(record: dict[str, Any]) -> bool:
+            stamped = isinstance(record.get("round"), int) and record["round"] > server_round
+            return record.get("method") == method and (stamped or record["kind"] == "error")
+
+        self._replace("".join(json.dumps(r, sort_keys=True) + "\n" for r in self.read() if not later(r)))
+
     def finished(self) -> set[str]:
         """Methods whose ``done`` record (written after the final checkpoints) is in the log."""
         return {r["method"] for r in self.read() if r["kind"] == "done"}
@@ -114,7 +123,7 @@ VALUE_KEYS = {"test_ppl_in": "in", "test_ppl_out": "out", "score": "score",
 # Cluster centres scored on each source's test set (FedSoft, IFCA), kept as they are.
 CENTRE_KEY = re.compile(r"centre_(\d+)_source_(\d+)")
 # A round's timing (``round`` records of metrics.jsonl), kept per round in summary.json.
-ROUND_KEYS = ("round", "wall_s", "slowest_client_s", "busiest_worker_s", "workers", "overhead")
+ROUND_KEYS = ("round", "wall_s", "slowest_client_s", "busiest_worker_s", "workers", "overhead", "wire_s")
 # Per-user uncertainty kept beside the values in summary.json (not averaged into mean/std).
 ERROR_KEYS = {"test_nll_se_in": "nll_se_in", "test_nll_se_out": "nll_se_out"}
 
@@ -155,6 +164,12 @@ def summarize(records: list[dict[str, Any]], methods: list[str], users: list[str
             statistics.fmean(r.get("bytes_up_not_experts", 0) for r in comm) if comm else 0.0)
         entry["download_bytes_per_round"] = statistics.fmean(r["bytes_down"] for r in comm) if comm else 0.0
         entry["dropped"] = dict(Counter(r["user"] for r in records if r["method"] == method and r["kind"] == "drop"))
+        refused = [r["reason"] for r in records if r["method"] == method and r["kind"] == "refused"]
+        if refused:  # nodes that claimed a slot they may not hold (docs/deployment.md)
+            entry["refused"] = refused
+        resumed = [r["round"] for r in records if r["method"] == method and r["kind"] == "resume"]
+        if resumed:  # a run on real devices continued after these rounds (a crash or a stop in between)
+            entry["continued_after"] = resumed
         privacy = [r for r in records if r["method"] == method and r["kind"] == "privacy"]
         if privacy:
             entry["privacy"] = [{key: r[key] for key in ("round", "clip_norm", "noise_multiplier", "noise_std",
@@ -173,7 +188,7 @@ def summarize(records: list[dict[str, Any]], methods: list[str], users: list[str
         if mixed[evaluated[0]]:  # FedEM's own prediction, a method of its own beside its centre of largest π
             summary["methods"][f"{method}-mixture"] = {
                 **{key: value for key, value in entry.items() if key != "centres"}, **_values(mixed, evaluated)}
-    timing = {method: sorted(({key: r[key] for key in ROUND_KEYS} for r in records
+    timing = {method: sorted(({key: r.get(key) for key in ROUND_KEYS} for r in records
                               if r["method"] == method and r["kind"] == "round"), key=lambda r: r["round"])
               for method in summary["methods"]}
     summary["round_overhead"] = {method: rows for method, rows in timing.items() if rows}
@@ -276,7 +291,7 @@ def write_report(run_dir: Path, recipe_name: str, summary: dict[str, Any], plots
     lines = [f"# {recipe_name}", "", *(f"- {fact}" for fact in facts), *([""] if facts else []),
              caption, "", markdown_table(summary), "", *_mixture_note(summary), *_centres_section(summary),
              *_personalisation_section(summary), *_privacy_section(summary), *_drops_section(summary),
-             *_overhead_section(summary)]
+             *_nodes_section(summary), *_overhead_section(summary)]
     lines += [f"![{p.stem}](plots/{p.name})" for p in plots]
     path = run_dir / "report.md"
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
@@ -381,17 +396,41 @@ def _epsilon_delta(figures: dict[str, Any]) -> str:
 
 def _overhead_section(summary: dict[str, Any]) -> list[str]:
     """Each round's wall time and the share of it that no device's handler explains."""
+    rounds = [(name, r) for name, kept in summary.get("round_overhead", {}).items() for r in kept]
+    if not rounds:
+        return []
+    wire = any(r.get("wire_s") is not None for _, r in rounds)
     rows = [f"| {name} | {r['round']} | {r['wall_s']:.2f} | {r['slowest_client_s']:.2f} | "
             f"{r['busiest_worker_s']:.2f} ({r['workers']}) | {100 * r['overhead']:.1f} % |"
-            for name, rounds in summary.get("round_overhead", {}).items() for r in rounds]
-    if not rows:
-        return []
+            + (f" {r['wire_s']:.2f} |" if r.get("wire_s") is not None else " – |" if wire else "")
+            for name, r in rounds]
     return ["## Round overhead", "",
             "Wall time of each round at the server; each device's train + evaluate handler time, slowest; the "
             "busiest worker process's handler time (a worker serves its devices in turn); overhead = (wall − "
-            "busiest worker) ÷ wall: messaging, serialisation, waiting (docs/federation.md, Round overhead).", "",
-            "| method | round | wall (s) | slowest client (s) | busiest worker (s) (workers) | overhead |",
-            "|---|---|---|---|---|---|", *rows, ""]
+            "busiest worker) ÷ wall: messaging, serialisation, waiting (docs/federation.md, Round overhead)."
+            + (" On real devices, wire: the most time one device's messages spent between the server and its "
+               "handler (transfer over its link and Flower's pacing; bytes per round in the table above)."
+               if wire else ""), "",
+            "| method | round | wall (s) | slowest client (s) | busiest worker (s) (workers) | overhead |"
+            + (" wire (s) |" if wire else ""),
+            "|---|---|---|---|---|---|" + ("---|" if wire else ""), *rows, ""]
+
+
+def _nodes_section(summary: dict[str, Any]) -> list[str]:
+    """Nodes the server refused, and rounds after which a run on real devices continued."""
+    refused = [f"| {name} | {reason} |" for name, m in summary["methods"].items() for reason in m.get("refused", [])]
+    continued = [f"{name}: continued after round {', '.join(str(r) for r in m['continued_after'])} (a crash or a "
+                 "stop in between; the rounds after it were sent again)"
+                 for name, m in summary["methods"].items() if m.get("continued_after")]
+    lines = []
+    if refused:
+        lines += ["## Refused nodes", "",
+                  "Nodes that claimed a device slot they may not hold: one another live node holds, or one that "
+                  "belongs to another SuperNode key (docs/deployment.md). They took no part in the run.", "",
+                  "| method | why |", "|---|---|", *refused, ""]
+    if continued:
+        lines += ["## Continued runs", "", *continued, ""]
+    return lines
 
 
 def _drops_section(summary: dict[str, Any]) -> list[str]:

@@ -92,6 +92,7 @@ def prepare_run_dir(recipe: Recipe, output: Path | None, overwrite: bool = False
 # What a run writes into its folder: what --overwrite removes (the .lock is the overwriting run's own).
 RUN_OUTPUTS = ("recipe.yaml", "metrics.jsonl", "metrics.jsonl.tmp", "summary.json", "report.md", ".jobs.json",
                "plots", "checkpoints", "device_state", "flwr-*.log",
+               "server_state", "federation.json", ".flower-run.json", "flwr.log",  # a run on real devices
                "tensorboard", "mlflow.db", "mlartifacts", "mlflow_runs.json")  # the trackers' (docs/tracking.md)
 
 

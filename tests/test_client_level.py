@@ -81,7 +81,7 @@ def test_a_pcl_device_keeps_its_shared_modules_between_rounds(tiny_model):
     method = method_for("pcl", 2)
     trainer = DeviceTrainer(attach_layout(tiny_model, method.layouts[0], seed=0), method, TrainingConfig())
     state = RecordDict()
-    save_private_state(Job(load_recipe(TINY, ["methods=[pcl]"]), 0, Path(".")), 0, trainer, state)
+    save_private_state(Job(load_recipe(TINY, ["methods=[pcl]"]), 0, Path(".")), 0, trainer, state, 1)
     kept = set(private_tensors(state))
     assert kept and set(shared_state(trainer)) <= kept
 

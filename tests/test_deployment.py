@@ -36,7 +36,7 @@ def make_security(folder: Path, devices: int) -> dict[str, Path]:
     section = doc[doc.index("## 1. Certificates and keys"):doc.index("## 2.")]
     block = section.split("```bash\n", 1)[1].split("```", 1)[0]
     folder.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "SUPERLINK_HOST": "localhost", "DEVICES": str(devices)}
+    env = {**os.environ, "SUPERLINK_HOST": "localhost", "SUPERLINK_IP": "127.0.0.1", "DEVICES": str(devices)}
     subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=folder, env=env, check=True, capture_output=True)
     keys = folder / "keys"
     files = {"ca_cert": keys / "ca.crt", "server_cert": keys / "server.crt", "server_key": keys / "server.key"}
@@ -84,9 +84,10 @@ def records(output: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
 
 
-def wait_for(output: Path, kind: str, server_round: int, process: subprocess.Popen, timeout: float = 300) -> None:
+def wait_for(server_run: Path, kind: str, server_round: int, process: subprocess.Popen, timeout: float = 300) -> None:
+    """Wait until the server's run folder logs a ``kind`` record of ``server_round``."""
     deadline = time.monotonic() + timeout
-    while not any(r["kind"] == kind and r.get("round") == server_round for r in records(output)):
+    while not any(r["kind"] == kind and r.get("round") == server_round for r in records(server_run)):
         assert process.poll() is None, process.stdout.read()
         assert time.monotonic() < deadline, f"no {kind} record of round {server_round} within {timeout}s"
         time.sleep(0.5)
@@ -105,7 +106,7 @@ def test_devices_keep_their_data_and_private_state_and_a_killed_device_resumes(t
         federation.connection_config(tmp_path / "cli")
         output = tmp_path / "server-run"
         run = finetune(recipe_file, output, tmp_path / "cli")
-        wait_for(output, "comm", 1, run)
+        wait_for(federation.server_runs() / output.name, "comm", 1, run)
         federation.kill(nodes[2])  # SIGKILL mid-run, then the device comes back with the same state-dir
         time.sleep(2)
         federation.start_supernode(2, data[2], warm=True)
@@ -136,8 +137,10 @@ def test_devices_keep_their_data_and_private_state_and_a_killed_device_resumes(t
     shared_bytes = sum(t.numel() * t.element_size() for t in reference.values())
     assert {r["bytes_up"] for r in log if r["kind"] == "train"} == {shared_bytes}
     # The server's folder holds no device's checkpoint; each device's state-dir holds its own.
-    assert not list((output / "checkpoints").rglob("device_*"))  # only the server's shared experts
-    assert (output / "checkpoints" / "comigs-1G1S" / "server.safetensors").is_file()
+    server_run = federation.server_runs() / output.name
+    assert not list((server_run / "checkpoints").rglob("device_*"))  # only the server's shared experts
+    assert (server_run / "checkpoints" / "comigs-1G1S" / "server.safetensors").is_file()
+    assert not (output / "checkpoints").exists()  # the submitter got the report and records, not the models
     # One process per device: every round's handlers ran in at most one process per device, each loading
     # the base once; the TLS test below runs Flower's default, a process per message.
     rounds = [r for r in log if r["kind"] == "round"]
@@ -147,7 +150,7 @@ def test_devices_keep_their_data_and_private_state_and_a_killed_device_resumes(t
         states = [tmp_path / "federation" / home / "state" / "on-devices" for home in homes]
         kept_state = [state for state in states
                       if (state / "checkpoints" / "comigs-1G1S" / f"device_{device}.safetensors").is_file()]
-        assert len(kept_state) == 1 and (kept_state[0] / "device_state" / "comigs-1G1S" / "context.pb").is_file()
+        assert len(kept_state) == 1 and (kept_state[0] / "device_state" / "comigs-1G1S" / "round-3.pb").is_file()
 
 
 def test_tls_and_node_authentication_refuse_strangers_and_a_lost_device_leaves_the_others_a_result(tmp_path):
@@ -170,7 +173,7 @@ def test_tls_and_node_authentication_refuse_strangers_and_a_lost_device_leaves_t
         stranger = federation.start_supernode(0, data[0], name="stranger", private_key=secure[f"node{len(USERS)}"])
         output = tmp_path / "server-run"
         run = finetune(recipe_file, output, tmp_path / "cli")
-        wait_for(output, "comm", 1, run)
+        wait_for(federation.server_runs() / output.name, "comm", 1, run)
         federation.kill(nodes[2])  # and it never comes back
         out, _ = run.communicate(timeout=600)
         assert run.returncode == 0, out

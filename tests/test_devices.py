@@ -24,7 +24,7 @@ from ondevice_moe.errors import UserError
 from ondevice_moe.federation import client_app, server_app
 from ondevice_moe.federation.device import check_received
 from ondevice_moe.federation.device_runtime import CLIENT_APP, _check_app
-from ondevice_moe.federation.job import Job, device_job
+from ondevice_moe.federation.job import ALL_METHODS, Job, device_job
 from ondevice_moe.federation.node import REFUSED, node_facts
 from ondevice_moe.federation.strategy import device_error
 from ondevice_moe.federation.submit import connection, write_app
@@ -130,7 +130,7 @@ def test_each_device_reads_its_own_data_path_and_keeps_its_state_and_checkpoint_
     for device in range(len(USERS)):
         state = tmp_path / f"device{device}" / "state" / "on-devices"
         assert (state / "checkpoints" / "comigs-1G1S" / f"device_{device}.safetensors").is_file()
-        assert (state / "device_state" / "comigs-1G1S" / "context.pb").is_file()
+        assert (state / "device_state" / "comigs-1G1S" / "round-2.pb").is_file()  # its state after the last round
     server = tmp_path / "server" / "checkpoints" / "comigs-1G1S"
     assert [path.name for path in server.iterdir()] == ["server.safetensors"]  # no device's model, ...
     kept = load_file(str(server / "server.safetensors"))  # ... the shared experts it aggregated
@@ -317,13 +317,14 @@ def test_federation_connection_config_is_read_from_flower_home(tmp_path, monkeyp
 
 def test_the_submitted_app_names_the_toolkits_apps_and_carries_the_recipe(tmp_path):
     recipe = load_recipe(TINY)
-    app, run_config = write_app(tmp_path, Job(recipe, 1, tmp_path / "run"))
+    app, run_config = write_app(tmp_path, recipe, "my-run", bound={1: "SHA256:abc"})
     import tomli
 
     project = tomli.loads((app / "pyproject.toml").read_text())
     assert project["tool"]["flwr"]["app"]["components"]["clientapp"] == CLIENT_APP
     config = tomli.loads(run_config.read_text())
-    assert validate_recipe(json.loads(config["recipe-json"])) == recipe and config["method"] == 1
+    assert validate_recipe(json.loads(config["recipe-json"])) == recipe and config["method"] == ALL_METHODS
+    assert config["run-name"] == "my-run" and json.loads(config["bind"]) == {"1": "SHA256:abc"}  # no local path
     archive = io.BytesIO()
     with zipfile.ZipFile(archive, "w") as fab:
         fab.writestr("pyproject.toml", (app / "pyproject.toml").read_text())

@@ -121,7 +121,7 @@ def test_a_round_resets_and_trains_the_local_copies_which_never_leave_the_device
     assert tensors and not any("private" in name for name in tensors)
     assert any(name.startswith("router.") for name in tensors), "ψ is shared (Alg. 1 line 12)"
     assert not any("private" in name for name in dev.upload_reference(job, 0))
-    dev.save_private_state(job, 0, trainer, state)
+    dev.save_private_state(job, 0, trainer, state, 1)
     assert all(".private_0." in name for name in private_tensors(state))
 
 
@@ -189,7 +189,7 @@ def test_ditto_keeps_its_personal_copies_between_rounds_and_pulls_them_to_the_re
         examples = dev.federated_task(job).train[0]
         _, weight = flow_round(trainer, examples, job.recipe.task.batch_size, seed=0)
         assert weight == len(examples)
-        dev.save_private_state(job, 0, trainer, state)
+        dev.save_private_state(job, 0, trainer, state, 1)
         tensors, _ = dev.upload(job, trainer)
         assert tensors and not any("private" in name for name in tensors)
         # Next round: the server's global layers differ from the device's personal ones.

@@ -128,7 +128,7 @@ def test_a_round_trains_both_copies_and_only_the_global_parts_and_psi_leave_the_
     assert not any("private" in name for name in tensors)
     assert any(".adapters.shared_0." in name for name in tensors) and any(n.startswith("router.") for n in tensors)
     assert any(name.startswith("classifier.base.") for name in tensors), "the global head is averaged"
-    dev.save_private_state(job, 0, trainer, state)
+    dev.save_private_state(job, 0, trainer, state, 1)
     assert private_tensors(state) and all(".private_0." in name for name in private_tensors(state))
 
 

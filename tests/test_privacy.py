@@ -267,18 +267,35 @@ def test_secaggplus_aggregate_equals_plain_aggregation_within_a_quantization_ste
         "a device's list-valued metrics cross SecAgg+'s scalar-only FitRes intact"
 
 
-def test_a_real_devices_noise_is_seeded_by_its_own_secret_and_a_simulations_by_the_recipe():
-    from types import SimpleNamespace
-
-    from flwr.app import RecordDict
+def test_a_real_devices_noise_is_seeded_by_its_own_secret_and_a_simulations_by_the_recipe(tmp_path):
+    from flwr.app import ConfigRecord, Context, Message, RecordDict
 
     from ondevice_moe.federation.client_app import noise_seed
+    from ondevice_moe.federation.job import Job, device_job
+    from ondevice_moe.recipe import load_recipe
 
-    recipe = SimpleNamespace(seed=7)
-    simulated = SimpleNamespace(on_device=False, recipe=recipe)
-    on_device = SimpleNamespace(on_device=True, recipe=recipe)
-    device, other = SimpleNamespace(state=RecordDict()), SimpleNamespace(state=RecordDict())
-    assert noise_seed(simulated, device) == 7 and len(device.state) == 0, "a rerun of a simulation repeats its noise"
-    secret = noise_seed(on_device, device)
-    assert secret != 7 and noise_seed(on_device, device) == secret, "drawn once, kept in the device's state"
-    assert noise_seed(on_device, other) != secret, "each device its own"
+    recipe = load_recipe(Path(__file__).parent / "recipes" / "tiny.yaml", ["seed=7"])
+    run_config = {"recipe-json": json.dumps(recipe.model_dump(mode="json")), "method": 1}
+
+    def device(partition: int) -> tuple[Job, Context]:
+        context = Context(run_id=1, node_id=partition, state=RecordDict(), run_config=run_config,
+                          node_config={"partition-id": partition, "state-dir": str(tmp_path / f"d{partition}")})
+        return device_job(context, 1), context
+
+    from flwr.supercore.task_identity import TaskIdentity
+
+    if TaskIdentity._run_id is None:  # set by Flower's engines in a real ServerApp process
+        TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 0
+
+    def message(key: str) -> Message:
+        return Message(RecordDict({"config": ConfigRecord({"run-key": key})}), dst_node_id=1, message_type="train")
+
+    simulated = Job(recipe, 1, tmp_path)
+    context = device(0)[1]
+    assert noise_seed(simulated, context, message("a")) == 7 and len(context.state) == 0, \
+        "a rerun of a simulation repeats its noise"
+    (job, context), (other, other_context) = device(0), device(1)
+    secret = noise_seed(job, context, message("a"))
+    assert secret != 7 and noise_seed(*device(0), message("a")) == secret, "drawn once per run, kept on the device"
+    assert noise_seed(other, other_context, message("a")) != secret, "each device its own"
+    assert noise_seed(job, context, message("b")) != secret, "each run its own"

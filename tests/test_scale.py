@@ -98,7 +98,7 @@ def test_device_state_round_trips_and_costs_nothing_before_the_first_round(kind,
     assert load_device_state(state, with_optimizer=True) == ({}, None) and len(state) == 0
     trainer = dev.restore_trainer(job, 1, None, state)
     dev.run_local_procedure(job, 1, trainer, seed=0)
-    dev.save_private_state(job, 1, trainer, state)
+    dev.save_private_state(job, 1, trainer, state, 1)
     assert list(state) == [STATE_KEY]
     on_disk = kind in ("disk", "auto-large")
     assert (set(state[STATE_KEY]) == {"path"}) == on_disk, "context.state only names the device's file"

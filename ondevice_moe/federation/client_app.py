@@ -9,6 +9,10 @@ the device's model (:mod:`~ondevice_moe.federation.evaluation`): for language mo
 perplexity in distribution (the user's own test split) and out of distribution (the union of all
 users' test splits); for classification, the task's metric on the client's own test split.
 ``query``: the device's index (``partition-id``), so the server knows which node holds which user.
+On a real device every message restores the state the round asks for from the device's own disk
+(:mod:`~ondevice_moe.federation.device_snapshots`), so a run that its server continues after a crash
+goes on from the right round, and an error that leaves the device names no path on it
+(:func:`device_side`).
 Shared tensors travel encoded both ways (``federation.transport``,
 :mod:`ondevice_moe.federation.transport`): the device decodes what it receives and encodes what it sends.
 Under ``privacy`` the update of the shared tensors is clipped and noised before it is
@@ -19,24 +23,29 @@ both as the outer mod (:mod:`ondevice_moe.federation.secure_aggregation`).
 
 from __future__ import annotations
 
+import functools
 import os
-import secrets
 import time
+import traceback
 import zlib
+from collections.abc import Callable
 from logging import ERROR
 
 import torch
-from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.supercore import log as flwr_log
 
+from ondevice_moe.errors import UserError, failure_line
 from ondevice_moe.federation import device as dev
-from ondevice_moe.federation.device_state import enter_method, persist_context, resume_context
+from ondevice_moe.federation import device_snapshots as snapshots
+from ondevice_moe.federation.device_state import enter_method
 from ondevice_moe.federation.evaluation import evaluate_device, prepare_test
 from ondevice_moe.federation.faults import fault_mod
-from ondevice_moe.federation.job import Job, device_job, message_method
-from ondevice_moe.federation.node import REFUSED
+from ondevice_moe.federation.job import Job, device_job, message_method, submitted
+from ondevice_moe.federation.node import REFUSED, node_facts
 from ondevice_moe.federation.privacy import noise_generator, privatize
+from ondevice_moe.federation.redaction import path_free
 from ondevice_moe.federation.secure_aggregation import secure_aggregation_mod
 from ondevice_moe.federation.transport import decode, encode
 from ondevice_moe.federation.wire import pack, unpack
@@ -48,13 +57,51 @@ def _device_index(context: Context) -> int:
     return int(context.node_config["partition-id"])
 
 
-def _stored_state(job: Job, context: Context) -> dict[str, int]:
-    """The device's state for the job's method: a device whose SuperNode restarted picks up the private
-    state it kept on its own disk (:func:`~ondevice_moe.federation.device_state.resume_context`;
-    ``resumed_round`` says from which round); one that served another method drops that method's."""
-    resumed = resume_context(job, context)
+RUN_KEY = "run-key"  # in a message's config: the run it belongs to, the same in each of its Flower runs
+
+
+def run_key(msg: Message, context: Context) -> str:
+    """The run a message belongs to: the key the server sends, else (an older server) the Flower run."""
+    config = msg.content.config_records.get("config")
+    return str(config[RUN_KEY]) if config is not None and RUN_KEY in config else f"flower-{context.run_id}"
+
+
+def _stored_state(job: Job, context: Context, msg: Message, upto: int) -> dict[str, int]:
+    """The device's state for the job's method as it stood after round ``upto``. A real device restores
+    it from its own disk every message (:func:`~ondevice_moe.federation.device_snapshots.restore`;
+    ``resumed_round`` says from which round, when its context had to come back from there); in the
+    simulation the context holds it, and one that served another method drops that method's."""
+    resumed = 0
+    if job.on_device:
+        key = run_key(msg, context)
+        snapshots.enter_run(job, key)
+        restored, cold = snapshots.restore(job, context, key, upto)
+        resumed = restored if cold else 0
     enter_method(job, context)
     return {"resumed_round": resumed} if resumed else {}
+
+
+def device_side(handler: Callable[[Message, Context], Message]) -> Callable[[Message, Context], Message]:
+    """On a real device, an error leaves the device without its paths (:func:`~ondevice_moe.federation.
+    redaction.path_free`); its own log keeps the whole error and its traceback."""
+
+    @functools.wraps(handler)
+    def handle(msg: Message, context: Context) -> Message:
+        try:
+            return handler(msg, context)
+        except Exception as error:
+            if not submitted(context.run_config):
+                raise
+            flwr_log(ERROR, "this device failed a %s message: %s", msg.metadata.message_type,
+                     "".join(traceback.format_exception(error)))
+            try:
+                node = node_facts(context.node_config)
+            except UserError:
+                node = None
+            fix = error.fix if isinstance(error, UserError) and error.fix else "the device's own log has the detail"
+            raise UserError(path_free(failure_line(error), node), path_free(fix, node)) from None
+
+    return handle
 
 
 def _received(job: Job, msg: Message) -> dict[str, torch.Tensor] | None:
@@ -66,19 +113,15 @@ def _received(job: Job, msg: Message) -> dict[str, torch.Tensor] | None:
     return decode(unpack(arrays), job.recipe.federation.transport)
 
 
-NOISE_SECRET = "noise-secret"
 
-
-def noise_seed(job: Job, context: Context) -> int:
+def noise_seed(job: Job, context: Context, msg: Message) -> int:
     """The seed of this device's privacy noise. In the simulation, the recipe's: a rerun repeats it. On a
-    real device, a secret it draws once and keeps in its own state (on its disk with the rest, so a
-    restarted device repeats its noise): the server holds the recipe, and with the recipe's seed it
-    could regenerate the noise and take it off the update."""
+    real device, a secret it draws once per run and keeps on its own disk (so a restarted device, or a
+    round sent again after the server's crash, repeats its noise): the server holds the recipe, and
+    with the recipe's seed it could regenerate the noise and take it off the update."""
     if not job.on_device:
         return job.recipe.seed
-    if NOISE_SECRET not in context.state:
-        context.state[NOISE_SECRET] = ConfigRecord({"seed": secrets.randbits(62)})
-    return int(context.state[NOISE_SECRET]["seed"])
+    return snapshots.noise_secret(job, run_key(msg, context))
 
 
 @app.query()
@@ -111,14 +154,15 @@ def seed_dropout(seed: int) -> None:
 
 
 @app.train()
+@device_side
 def train(msg: Message, context: Context) -> Message:
     started = time.perf_counter()
     job = device_job(context, message_method(msg))
     device = _device_index(context)
-    resumed = _stored_state(job, context)
+    server_round = int(msg.content["config"]["server-round"])
+    resumed = _stored_state(job, context, msg, server_round - 1)
     arrays = _received(job, msg)
     procedure = job.method.procedure
-    server_round = int(msg.content["config"]["server-round"])
     trainer = dev.restore_trainer(job, device, arrays if procedure.loads_received else None, context.state)
     chosen = procedure.begin_round(dev.JobDevice(job, device, context.state), trainer, arrays, server_round)
     privacy = job.recipe.privacy
@@ -129,12 +173,13 @@ def train(msg: Message, context: Context) -> Message:
     seed_dropout(zlib.crc32(f"{seed}:{server_round}".encode()))
     dev.start_round(trainer.model)
     metrics, examples = dev.run_local_procedure(job, device, trainer, seed)
-    dev.save_private_state(job, device, trainer, context.state)
-    persist_context(job, context, server_round)
+    dev.save_private_state(job, device, trainer, context.state, server_round)
+    if job.on_device:
+        snapshots.keep(job, context, run_key(msg, context), server_round)
     metrics.update({**chosen, **resumed, "device": device, "num-examples": examples})
     tensors, records = dev.upload(job, trainer)
     if privacy.enabled:
-        tensors, figures = privatize(start, tensors, privacy, noise_generator(noise_seed(job, context), device,
+        tensors, figures = privatize(start, tensors, privacy, noise_generator(noise_seed(job, context, msg), device,
                                                                               server_round))
         metrics.update(figures)
     content = RecordDict({"arrays": pack(encode(tensors, job.recipe.federation.transport))})
@@ -145,11 +190,12 @@ def train(msg: Message, context: Context) -> Message:
 
 
 @app.evaluate()
+@device_side
 def evaluate(msg: Message, context: Context) -> Message:
     started = time.perf_counter()
     job = device_job(context, message_method(msg))
     device = _device_index(context)
-    _stored_state(job, context)
+    _stored_state(job, context, msg, int(msg.content["config"]["server-round"]))
     arrays = _received(job, msg)
     loads = job.method.procedure.loads_received
     model = dev.restore_model(job, device, arrays if loads else None, context.state)

@@ -9,6 +9,7 @@ import copy
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -136,12 +137,28 @@ def _source_on_this_machine(job: Job, user: int, source: SourceSection) -> Sourc
                         "device holds", "this recipe or method needs every user's data on one machine: run it in "
                         "the local simulation (ondevice-moe finetune without --federation)")
     if source.source != "device":
+        if source.path is not None:  # the server checks this before it sends anything; a device checks again
+            raise UserError(f"the server's recipe asks this device to read `{source.source}` at a path of its "
+                            "choosing; a device reads only its own --node-config data-path",
+                            "give the user `source: device` in the recipe")
         return SourceSpec(source.source, source.options(), source.weight)
     if node.data_path is None:
         raise UserError(f"user '{job.recipe.user_names[user]}' has `source: device`, but this device's "
                         "--node-config has no data-path", FIX)
+    confine(node.data_path)
     options = {**source.options(), "path": str(node.data_path)}
     return SourceSpec(device_source_kind(node.data_path), options, source.weight)
+
+
+def confine(data_path: Path) -> None:
+    """A device reads nothing outside its data-path: a link under it that leads out of it is refused."""
+    root = data_path.expanduser().resolve()
+    if not data_path.is_dir():
+        return
+    for path in data_path.rglob("*"):
+        if path.is_symlink() and not path.resolve().is_relative_to(root):
+            raise UserError(f"this device's data-path holds {path.relative_to(data_path)}, a link that leads out of "
+                            "the data-path", "copy the data into the data-path, or remove the link")
 
 
 _SOURCES: dict[str, list[tuple[str, BlockExamples]]] = {}
@@ -312,13 +329,14 @@ def check_received(own: dict[str, torch.Tensor], received: dict[str, torch.Tenso
             raise ValueError(f"received tensor {name} holds non-finite values; this device will not train on it")
 
 
-def save_private_state(job: Job, device: int, trainer: DeviceTrainer, state: RecordDict) -> None:
+def save_private_state(job: Job, device: int, trainer: DeviceTrainer, state: RecordDict, server_round: int) -> None:
     """Keep private tensors (all trained tensors with ``sharing.devices_keep_models``) and
-    optimiser state for the device's next round (:mod:`~ondevice_moe.federation.device_state`)."""
+    optimiser state after ``server_round`` for the device's next round
+    (:mod:`~ondevice_moe.federation.device_state`)."""
     keep_all = trainer.method.sharing.devices_keep_models
     private = {n: t for n, t in trainable_state(trainer.model).items()
                if keep_all or trainer.method.role_of(n) is Role.PRIVATE}
-    device_state.save_device_state(job, device, private, trainer.optimizer_state(), state)
+    device_state.save_device_state(job, device, private, trainer.optimizer_state(), state, server_round)
 
 
 def travels(method: Method, name: str) -> bool:

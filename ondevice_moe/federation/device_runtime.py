@@ -13,11 +13,23 @@ user's data and the built job between messages.
 It runs the ClientApp installed here (``ondevice_moe.federation.client_app:app``) and nothing
 else: a run whose Flower app (FAB) names another ClientApp is refused, so the server cannot make
 the device execute code of its choosing.
+
+A device comes and goes: its SuperNode restarts (``ondevice-moe device --superlink``, which keeps
+one running, :mod:`ondevice_moe.federation.supervisor`), or the device is paused past the server's
+reply timeout and finds its task's token expired when it wakes. Neither ends this process: a
+SuperNode that does not answer is asked again after :data:`RETRY_SECONDS`, and a task that cannot
+be finished is given up (said in the device's log) while the next one is taken.
+
+Each task runs in a thread of its own, and one at a time holds the device (:data:`DEVICE`): a task
+whose message can never arrive does not hold up the next. That happens when a server dies while it
+sends: the SuperNode keeps the task of the message it could not finish receiving, and Flower's pull
+of its contents waits for up to two hours, while the server's next Flower run waits for this device.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import threading
 import time
 from collections.abc import Callable
 from logging import ERROR, INFO, WARNING
@@ -27,6 +39,8 @@ from ondevice_moe.errors import UserError
 
 CLIENT_APP = "ondevice_moe.federation.client_app:app"
 POLL_SECONDS = 0.2
+RETRY_SECONDS = 2.0
+DEVICE = threading.Lock()  # one ClientApp at a time: the device's model, data and cores
 
 
 def serve(runtime_api: str, root_certificates: Path | None = None,
@@ -41,11 +55,27 @@ def serve(runtime_api: str, root_certificates: Path | None = None,
     executor = _runtime_client(runtime_api, certificates, token=None)
     log(INFO, "ondevice-moe device: taking ClientApp tasks from the SuperNode at %s", runtime_api)
     while keep_going():
-        response = executor.AcquireTask(AcquireTaskRequest(supported_task_types=[TaskType.CLIENT_APP]))
+        try:
+            response = executor.AcquireTask(AcquireTaskRequest(supported_task_types=[TaskType.CLIENT_APP]))
+        except Exception as error:  # the SuperNode is restarting, or not up yet
+            log(WARNING, "the SuperNode at %s does not answer (%s); asking again in %.0f s", runtime_api,
+                type(error).__name__, RETRY_SECONDS)
+            time.sleep(RETRY_SECONDS)
+            continue
         if response.HasField("task") and response.token:
-            run_task(runtime_api, response.token, certificates)
+            threading.Thread(target=_run_or_give_up, args=(runtime_api, response.token, certificates),
+                             name=f"task-{response.task.task_id}", daemon=True).start()
         else:
             time.sleep(POLL_SECONDS)
+
+
+def _run_or_give_up(runtime_api: str, token: str, certificates: bytes | None) -> None:
+    from flwr.supercore import log
+
+    try:
+        run_task(runtime_api, token, certificates)
+    except Exception as error:  # e.g. its token expired while the device was paused: the next task goes on
+        log(WARNING, "gave up a task: %s: %s", type(error).__name__, error)
 
 
 def run_task(runtime_api: str, token: str, certificates: bytes | None) -> None:
@@ -67,7 +97,8 @@ def run_task(runtime_api: str, token: str, certificates: bytes | None) -> None:
     try:
         message, context, _, fab = pull_task_input(client)
         _check_app(fab.content)
-        reply = app(message=message, context=context)
+        with DEVICE:
+            reply = app(message=message, context=context)
         status, details = SubStatus.COMPLETED, ""
     except Exception as error:  # reported to the server as Flower reports a ClientApp's exception
         log(ERROR, "the ClientApp raised %s: %s", type(error).__name__, error)

@@ -16,6 +16,9 @@ tensors (all trained tensors under ``sharing.devices_keep_models``) and its opti
   (1 GiB per device for SmolLM2-135M in float32), which the driver would otherwise hold for
   every device that trained.
 
+A real device (Flower's deployment engine) always keeps them on its own disk, one file per round it
+trained, under its ``state-dir`` (:mod:`~ondevice_moe.federation.device_snapshots`).
+
 Either way the tensors are stored as they are and the rest of the optimisers' state (steps,
 hyperparameters, the scheduler) as JSON beside them: no pickle (``torch.save`` of an optimiser's
 state, per tensor, costs more than restoring the model it belongs to).
@@ -32,7 +35,6 @@ from typing import Any
 import torch
 from flwr.app import ConfigRecord, Context, RecordDict
 
-from ondevice_moe.errors import UserError
 from ondevice_moe.federation.job import Job
 from ondevice_moe.names import folder_name
 
@@ -70,18 +72,24 @@ def clear_state_folder(job: Job) -> None:
 
 
 def save_device_state(job: Job, device: int, private: dict[str, torch.Tensor], optimizer: dict[str, Any],
-                      state: RecordDict) -> None:
+                      state: RecordDict, server_round: int) -> None:
     """Keep ``private`` (tensor name → tensor) and ``optimizer`` (a trainer's optimiser state) for the
-    device's next round, where ``federation.device_state`` says."""
+    device's next round, where ``federation.device_state`` says. A real device always keeps them on
+    its own disk, one file per round it trained (:mod:`~ondevice_moe.federation.device_snapshots`):
+    its Flower context, which passes through the SuperNode with every message, then names a file and
+    carries no tensor."""
     from safetensors.torch import save, save_file
 
     tensors = {PRIVATE + name: tensor for name, tensor in private.items()}
     layout = json.dumps(_skeleton(optimizer, OPTIMIZER, tensors))
     tensors = {name: tensor.detach().contiguous() for name, tensor in tensors.items()}
-    if _on_disk(job.recipe.federation.device_state, tensors):
-        path = state_folder(job) / f"device_{device}.safetensors"
+    if job.on_device or _on_disk(job.recipe.federation.device_state, tensors):
+        name = f"private-{server_round}.safetensors" if job.on_device else f"device_{device}.safetensors"
+        path = state_folder(job) / name
         path.parent.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, str(path), metadata={"layout": layout})
+        partial = path.with_name(path.name + ".partial")
+        save_file(tensors, str(partial), metadata={"layout": layout})
+        os.replace(partial, path)
         state[STATE_KEY] = ConfigRecord({"path": str(path)})
     else:
         state[STATE_KEY] = ConfigRecord({"tensors": save(tensors), "layout": layout})
@@ -142,55 +150,3 @@ def _rebuild(skeleton: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Any:
     if "list" in skeleton:
         return [_rebuild(v, tensors) for v in skeleton["list"]]
     return skeleton["value"]
-
-
-# -- a real device's own disk ---------------------------------------------------
-
-CONTEXT_FILE = "context.pb"
-ROUND_KEY = "device-round"  # the round a device last trained, kept in its context
-
-
-def context_file(job: Job) -> Path:
-    """Where a real device keeps its Flower context for the method: under its own run folder
-    (``<state-dir>/<recipe>``, :func:`~ondevice_moe.federation.job.device_job`)."""
-    return state_folder(job) / CONTEXT_FILE
-
-
-def resume_context(job: Job, context: Context) -> int:
-    """On a real device whose SuperNode restarted (its ``context.state`` empty), bring back the
-    state it kept on disk for this run: its private tensors, optimiser state and the round it last
-    trained. Returns that round (0: nothing to resume). A file of another run is left alone."""
-    path = context_file(job)
-    if not job.on_device or len(context.state) > 0 or not path.is_file():
-        return 0
-    from flwr.common.serde import context_from_proto
-    from flwr.proto.message_pb2 import Context as ProtoContext  # pylint: disable=E0611
-
-    stored = ProtoContext()
-    try:
-        stored.ParseFromString(path.read_bytes())
-        kept = context_from_proto(stored)
-    except Exception as error:  # a damaged file: one clear message, the run goes on without it
-        raise UserError(f"this device's saved state {path} is damaged ({type(error).__name__})",
-                        "delete the file to start this device afresh in this run") from None
-    if kept.run_id != context.run_id:
-        return 0
-    for key, record in kept.state.items():
-        context.state[key] = record
-    return int(context.state[ROUND_KEY]["round"]) if ROUND_KEY in context.state else 0
-
-
-def persist_context(job: Job, context: Context, server_round: int) -> None:
-    """After a round, a real device writes its Flower context (the private state) to its own disk,
-    whole or not at all (a kill mid-write leaves the previous round's file)."""
-    if not job.on_device:
-        return
-    from flwr.common.serde import context_to_proto
-
-    context.state[ROUND_KEY] = ConfigRecord({"round": server_round})
-    path = context_file(job)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(".partial")
-    partial.write_bytes(context_to_proto(context).SerializeToString())
-    os.replace(partial, path)
-

@@ -4,13 +4,15 @@ Under ``ondevice-moe finetune`` (Flower's simulation engine) the jobs travel as
 a JSON file named by ``$ONDEVICE_MOE_JOB``: the recipe, the run folder and the methods to run,
 one after another in one simulation; each message names its method (``method`` in its config
 record), so a device knows which method's job it serves. Under ``flwr run`` (simulation or
-deployment) it comes from the run config: ``recipe`` (a path) or ``recipe-json`` (the
+deployment) they come from the run config: ``recipe`` (a path) or ``recipe-json`` (the
 recipe itself, as ``ondevice-moe finetune --federation`` sends it), ``method`` (the
-index of the recipe's method entry) and ``run-dir`` (the server's run folder).
+index of the recipe's method entry, or -1 for every method in turn) and ``run-name`` (the run's
+name: its folder is ``<server runs folder>/<run-name>`` where the ServerApp runs,
+:func:`~ondevice_moe.federation.server_runs.server_run_dir`; default the recipe's name).
 
 On a device under ``flwr run`` the job is :func:`device_job`: the same recipe and method, with
 the device's own facts (:mod:`~ondevice_moe.federation.node`) and, as its run folder, its own
-folder under ``state-dir``; the server's ``run-dir`` never becomes a path there.
+folder under ``state-dir``; nothing the server sends becomes a path there.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from ondevice_moe.distribution import BUNDLED_RECIPES
 from ondevice_moe.errors import UserError
 from ondevice_moe.federation.node import NodeFacts, node_facts
 from ondevice_moe.federation.rules import ServerRule
+from ondevice_moe.federation.server_runs import server_run_dir
 from ondevice_moe.methods.base import Method
 from ondevice_moe.recipe import Recipe, load_recipe, validate_recipe
 from ondevice_moe.training import TrainingConfig
@@ -134,16 +137,22 @@ def _recipe_of(config: dict) -> Recipe:
     return with_deployment_defaults(load_recipe(_locate(str(config["recipe"]))))
 
 
+ALL_METHODS = -1  # run config ``method``: every method of the recipe, one after another
+
+
 def jobs_from_context(context: Context) -> list[Job]:
-    """The jobs of this run, in the order the ServerApp runs them: the run config's one method
-    (``flwr run``), or the methods ``$ONDEVICE_MOE_JOB`` names (``ondevice-moe finetune``'s simulation)."""
+    """The jobs of this run, in the order the ServerApp runs them: the run config's method, or all
+    of the recipe's (``flwr run``), or the methods ``$ONDEVICE_MOE_JOB`` names (``ondevice-moe
+    finetune``'s simulation)."""
     config = context.run_config
     if submitted(config):
-        key = f"{config.get('recipe')}|{config.get('recipe-json')}|{config.get('method', 0)}|{config.get('run-dir')}"
+        key = f"{config.get('recipe')}|{config.get('recipe-json')}|{config.get('method', 0)}|{config.get('run-name')}"
         if key not in _JOBS:
             recipe = _recipe_of(config)
-            run_dir = Path(str(config.get("run-dir") or Path("runs") / recipe.name))
-            _JOBS[key] = [Job(recipe, int(config.get("method", 0)), run_dir, submitted=True)]
+            run_dir = server_run_dir(str(config.get("run-name") or recipe.name))
+            method = int(config.get("method", 0))
+            indices = range(len(recipe.methods)) if method == ALL_METHODS else [method]
+            _JOBS[key] = [Job(recipe, index, run_dir, submitted=True) for index in indices]
         return _JOBS[key]
     path = os.environ.get(JOB_ENV)
     if not path:

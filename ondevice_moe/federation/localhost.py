@@ -20,6 +20,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ondevice_moe.federation.server_runs import RUNS_ENV
+
 BIN = Path(sys.executable).parent
 
 
@@ -90,11 +92,17 @@ class LocalFederation:
     processes: list[Process] = field(default_factory=list)
 
     def start_superlink(self) -> Process:
+        """The SuperLink; the ServerApps it starts keep their run folders under :meth:`server_runs`."""
         folder = self.root / "superlink"
         folder.mkdir(parents=True, exist_ok=True)
-        process = self._start("superlink", self.superlink_command(folder), folder)
+        process = self._start("superlink", self.superlink_command(folder), folder,
+                              {RUNS_ENV: str(self.server_runs())})
         self._wait_for_port()
         return process
+
+    def server_runs(self) -> Path:
+        """Where the server keeps its run folders (``$ONDEVICE_MOE_RUNS`` of the SuperLink)."""
+        return self.root / "superlink" / "runs"
 
     def superlink_command(self, folder: Path) -> list[str]:
         """``flower-superlink`` as docs/deployment.md starts it (insecure where no certificates were given)."""
@@ -144,10 +152,16 @@ class LocalFederation:
         return path
 
     def kill(self, process: Process) -> None:
-        """SIGKILL a process and the ClientApp / SuperExec processes it started."""
+        """SIGKILL a process and every process it started (the SuperLink's SuperExec and ServerApps run in
+        sessions of their own): as when its machine goes down."""
+        for pid in descendants(process.popen.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         _kill_group(process.popen, signal.SIGKILL)
+        process.popen.wait(10)
 
     def stop(self) -> None:
+        started = {pid for process in self.processes for pid in descendants(process.popen.pid)}
         for process in reversed(self.processes):
             _kill_group(process.popen, signal.SIGTERM)
         deadline = time.monotonic() + 10
@@ -157,12 +171,15 @@ class LocalFederation:
             except subprocess.TimeoutExpired:
                 _kill_group(process.popen, signal.SIGKILL)
                 process.popen.wait(5)
+        for pid in started:  # what they started in sessions of its own, and left behind
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
-    def _start(self, name: str, command: list[str], folder: Path) -> Process:
+    def _start(self, name: str, command: list[str], folder: Path, extra: dict[str, str] | None = None) -> Process:
         log = folder / f"{name}.log"
         handle = log.open("a", encoding="utf-8")
-        popen = subprocess.Popen(command, cwd=folder, env=environment(folder / "home"), stdout=handle,
-                                 stderr=subprocess.STDOUT, start_new_session=True)
+        popen = subprocess.Popen(command, cwd=folder, env={**environment(folder / "home"), **(extra or {})},
+                                 stdout=handle, stderr=subprocess.STDOUT, start_new_session=True)
         process = Process(name, popen, log)
         self.processes.append(process)
         return process
@@ -175,6 +192,21 @@ class LocalFederation:
                     return
             time.sleep(0.2)
         raise RuntimeError(f"the SuperLink did not open port {self.port} within {timeout:g}s")
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` (its children, theirs, ...), read from ``/proc`` (Linux)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, frontier = [], [pid]
+    while frontier:
+        below = children.get(frontier.pop(), [])
+        found += below
+        frontier += below
+    return found
 
 
 def _kill_group(popen: subprocess.Popen, sig: int) -> None:

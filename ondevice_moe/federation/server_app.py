@@ -2,8 +2,12 @@
 
 Under ``ondevice-moe finetune`` one simulation runs the recipe's unfinished methods one after
 another on the same simulated devices (Ray, its workers and what they loaded start once per
-recipe); a method that fails is logged and the next one goes on. Under ``flwr run`` a run is
-one method.
+recipe); a method that fails is logged and the next one goes on. Under ``flwr run`` (real
+devices, :func:`run_submitted`) a Flower run does the same for the run config's methods, in the
+run's folder on the server's own disk (:mod:`ondevice_moe.federation.server_runs`), which one
+ServerApp at a time may drive; a method cut short by a crash or a stop continues from its last
+completed round (:mod:`ondevice_moe.federation.round_state`), and the run's progress and files
+reach the submitting machine through Flower's log stream (:mod:`ondevice_moe.federation.log_channel`).
 
 Messages carry shared tensors only (CoMiGS Alg. 1 lines 498 and 515). Every
 round the server logs per-device training metrics, the bytes it sent and
@@ -12,25 +16,32 @@ overhead to ``metrics.jsonl`` in the run folder; a ``done`` record follows once 
 written every device's checkpoint.
 
 Under ``ondevice-moe finetune`` the runner prepares the run folder and writes
-the report. Under ``flwr run`` (the job comes from the run config) the
-ServerApp does both itself, so the folder is the same either way.
+the report. Under ``flwr run`` the ServerApp does both itself, so the folder is the same either way.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
+from flwr.supercore.exit import add_exit_handler
 
-from ondevice_moe.errors import failure_line
+from ondevice_moe.errors import UserError, failure_line
+from ondevice_moe.federation.device_paths import refuse_device_paths
 from ondevice_moe.federation.device_state import clear_state_folder
+from ondevice_moe.federation.handshake import connect
 from ondevice_moe.federation.job import Job, jobs_from_context
-from ondevice_moe.federation.strategy import SlotStrategy, connect, pack_slots
+from ondevice_moe.federation.log_channel import Channel
+from ondevice_moe.federation.round_state import forget_rounds, load_round, save_round
+from ondevice_moe.federation.server_runs import RunBusy, RunIdentity, server_lock
+from ondevice_moe.federation.slots import SlotKeeper
+from ondevice_moe.federation.strategy import SlotStrategy
 from ondevice_moe.federation.window import IN_FLIGHT_BYTES, WindowedGrid, simulation_window
 from ondevice_moe.report import MetricsLog
-from ondevice_moe.run_folder import finish_report, start_method
+from ondevice_moe.run_folder import finish_report, prepare_run_dir
 from ondevice_moe.tracking import tracked_log
 
 app = ServerApp()
@@ -44,8 +55,8 @@ method_hook: Callable[[Job], None] | None = None
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     jobs = jobs_from_context(context)
-    if context.run_config.get("recipe"):  # `flwr run`, not the runner
-        run_submitted(grid, jobs[0])
+    if jobs[0].submitted:  # `flwr run`, not the runner
+        run_submitted(grid, context, jobs)
         return
     devices = max(len(job.method.layouts) for job in jobs)
     nodes: dict[int, int] = {}
@@ -62,14 +73,65 @@ def main(grid: Grid, context: Context) -> None:
             clear_state_folder(job)
 
 
-def run_submitted(grid: Grid, job: Job) -> None:
-    """The one method of a ``flwr run``: the ServerApp prepares the run folder and writes the report."""
-    start_method(job.recipe, job.run_dir, job.method.name)
+def run_submitted(grid: Grid, context: Context, jobs: list[Job]) -> None:
+    """A ``flwr run``: the run config's methods that have not finished, in the run's folder on this
+    machine, which this ServerApp holds while it lives; the outcome, the progress and the folder's
+    files go to the submitter through the log (:class:`~ondevice_moe.federation.log_channel.Channel`)."""
+    channel = Channel()
+    recipe, run_dir = jobs[0].recipe, jobs[0].run_dir
+    config = context.run_config
     try:
-        with failure_logged(job), tracked_run_log(job) as log:
-            run_federation(windowed(grid, job, True), job, log)
-    finally:  # with what it has if the method failed
-        finish_report(job.recipe, job.run_dir)
+        refuse_device_paths(recipe)
+        with server_lock(run_dir, context.run_id):
+            add_exit_handler(lambda: _stopped(channel, recipe, run_dir), run_before_force_exit=True)
+            prepare_run_dir(recipe, run_dir, overwrite=bool(config.get("overwrite", False)))
+            identity = RunIdentity.open(run_dir, {int(k): str(v) for k, v in
+                                                  json.loads(str(config.get("bind") or "{}")).items()})
+            failures = _run_methods(grid, jobs, identity, channel)
+            finish_report(recipe, run_dir)
+            channel.files(run_dir)
+            channel.outcome("failed" if failures else "finished", "; ".join(failures))
+    except RunBusy as busy:
+        channel.outcome("busy", str(busy), flower_run=busy.flower_run)
+    except UserError as error:
+        channel.outcome("failed", str(error))
+
+
+def _run_methods(grid: Grid, jobs: list[Job], identity: RunIdentity, channel: Channel) -> list[str]:
+    """Run the jobs' unfinished methods on the devices, connected once; returns the failures."""
+    finished = MetricsLog(jobs[0].run_dir / "metrics.jsonl").finished()
+    pending = [job for job in jobs if job.method.name not in finished]
+    keeper = SlotKeeper(identity)
+    keeper.see(grid)
+    nodes: dict[int, int] = {}
+    failures = []
+    for position, job in enumerate(pending):
+        channel.send("method", {"name": job.method.name, "index": position, "count": len(pending)})
+
+        def progress(done: int, total: int, line: str) -> None:
+            channel.send("round", {"round": done, "total": total, "line": line})
+
+        try:
+            with failure_logged(job), tracked_run_log(job) as log:
+                nodes = run_federation(windowed(grid, job, True), job, log, nodes or None, keeper, identity.key,
+                                       progress)
+        except Exception as error:  # logged as the method's error record; the next method goes on
+            failures.append(f"method '{job.method.name}' did not finish: {failure_line(error)}")
+    return failures
+
+
+def _stopped(channel: Channel, recipe: object, run_dir: object) -> None:
+    """On a stop (``flwr stop``, or ``finetune --federation NAME --stop``), before Flower closes the log:
+    the report of what finished, the folder's files and a ``stopped`` outcome (nothing, after the
+    run's own outcome)."""
+    if channel.closed:
+        return
+    try:
+        finish_report(recipe, run_dir)
+    finally:
+        channel.files(run_dir)
+        channel.outcome("stopped", "the run was stopped; run the same command again to continue it from its last "
+                                   "completed round")
 
 
 def run_log(job: Job) -> MetricsLog:
@@ -112,22 +174,37 @@ def windowed(grid: Grid, job: Job, standalone: bool) -> WindowedGrid:
     return WindowedGrid(grid, simulation_window(federation), budget_bytes=IN_FLIGHT_BYTES)
 
 
-def run_federation(grid: Grid, job: Job, log: MetricsLog, connected: dict[int, int] | None = None) -> None:
-    """Train (or only evaluate) one method, then write its ``done`` record. ``connected``: device →
-    node of the devices a simulation connected for all its methods (default: connect them now)."""
+def run_federation(grid: Grid, job: Job, log: MetricsLog, connected: dict[int, int] | None = None,
+                   keeper: SlotKeeper | None = None, run_key: str | None = None,
+                   progress: Callable[[int, int, str], None] | None = None) -> dict[int, int]:
+    """Train (or only evaluate) one method, then write its ``done`` record; returns the devices' nodes
+    (device → node) as they stood at the end, for the next method. ``connected``: device → node of the
+    devices connected already (default: connect them now: all of them, or on real devices at least
+    ``federation.min_clients`` once ``federation.join_wait_s`` has passed). On real devices (a submitted
+    job) ``keeper`` holds the run's slots to their keys, ``run_key`` names the run to the devices, and a
+    method cut short continues from its last completed round."""
     federation = job.recipe.federation
     refused: list[tuple[int, str]] = []
     devices = len(job.method.layouts)
     if connected is None:
-        nodes = connect(grid, devices, federation.reply_timeout_s, lambda node, why: refused.append((node, why)))
+        nodes = connect(grid, devices, federation.reply_timeout_s, lambda node, why: refused.append((node, why)),
+                        keeper.problem if keeper is not None else None,
+                        enough=federation.min_clients if job.submitted else None, settle_s=federation.join_wait_s)
     else:  # a method with fewer devices (the centralized upper bound: one) uses the first of them
         nodes = {device: node for device, node in connected.items() if device < devices}
-    strategy = SlotStrategy(job, nodes, log, progress_hook)
+    done, slots = load_round(job, job.server_rule.initial_slots()) if job.submitted else (0, None)
+    if done:
+        log.discard_after(job.method.name, done)
+        log.write({"method": job.method.name, "kind": "resume", "round": done})
+    strategy = SlotStrategy(job, nodes, log, progress or progress_hook, keeper, run_key, done + 1, slots,
+                            (lambda server_round, kept: save_round(job, server_round, kept)) if job.submitted else None)
     for node, why in refused:
-        strategy.refuse(grid, node, why)
+        strategy.roster.refuse(grid, node, why)
     if strategy.total_rounds == 0:
         strategy.evaluate_untrained(grid)
     else:
-        strategy.start(grid, pack_slots(strategy.slots), num_rounds=strategy.total_rounds,
-                       timeout=federation.reply_timeout_s)
+        strategy.run(grid)
     log.write({"method": job.method.name, "kind": "done", "rounds": strategy.total_rounds})
+    if job.submitted:
+        forget_rounds(job)  # finished: the checkpoints hold what it learned
+    return dict(strategy.nodes)

@@ -1,9 +1,10 @@
 """The server as a Flower strategy: sample devices, send each its own message,
 drop the devices that fail, fold the rest into the server rule's slots.
 
-Flower's :meth:`Strategy.start` drives the rounds (train → aggregate →
-evaluate, every wait bounded by ``federation.reply_timeout_s``); this strategy
-decides what is sent and what is kept:
+:meth:`SlotStrategy.run` drives the rounds as Flower's :meth:`Strategy.start` does (train →
+aggregate → evaluate, every wait bounded by ``federation.reply_timeout_s``), from the round a
+continued run takes up (:mod:`ondevice_moe.federation.round_state`); this strategy decides what
+is sent and what is kept:
 
 * **State** is the server rule's named slots of tensors (``job.server_rule``,
   :mod:`ondevice_moe.federation.rules`), carried between Flower's calls as one
@@ -11,18 +12,20 @@ decides what is sent and what is kept:
   ``rule.message_for(slots, device, train_round)``: shared tensors only (CoMiGS Alg. 1).
 * **Sampling**: ``clients_per_round`` devices, or ``fraction_train`` of them,
   drawn per round from the recipe seed (all devices by default).
-* **Failures**: a device that raises, does not reply in time, or sends an
-  update :func:`check_update` rejects is dropped from the round (a ``drop``
-  record; its bytes are not counted as uploaded). A round with fewer than
-  ``min_clients`` sound updates ends the method.
+* **Devices** are the nodes of a :class:`~ondevice_moe.federation.handshake.NodeRoster`: they
+  rejoin, join late and are refused between rounds.
+* **Failures**: a device that raises, goes offline, does not reply in time, is not connected, or
+  sends an update :func:`check_update` rejects is dropped from the round (a ``drop`` record
+  saying which; its bytes are not counted as uploaded). A round with fewer than ``min_clients``
+  sound updates ends the method.
 * **Transport**: what travels both ways is encoded by ``federation.transport``
   (:mod:`ondevice_moe.federation.transport`); an upload is checked as it travelled,
   then decoded, and the rule aggregates decoded values. Byte counts are of what travelled.
 * **Evaluation** every ``eval_every`` rounds and after the last one, on every
   device; the last one also has the devices write their checkpoints.
 * **Timing**: each reply carries its handler's own time and worker process; a ``round``
-  record per round holds the round's wall time and the share of it no handler explains
-  (:meth:`SlotStrategy._log_round`).
+  record per round holds the round's wall time, the share of it no handler explains and the
+  time the slowest device's messages spent on the wire (:meth:`SlotStrategy._log_round`).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import re
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
-from logging import INFO, WARNING
+from logging import INFO
 from typing import Any
 
 import torch
@@ -47,26 +50,25 @@ from ondevice_moe.federation.accountant import PrivacyLedger
 from ondevice_moe.federation.aggregation import Update, check_update, norm_outliers
 from ondevice_moe.federation.device import save_server_checkpoint
 from ondevice_moe.federation.evaluation import user_values
+from ondevice_moe.federation.handshake import FederationFailure, NodeRoster
 from ondevice_moe.federation.job import Job
-from ondevice_moe.federation.node import REFUSED
 from ondevice_moe.federation.privacy import noise_std
 from ondevice_moe.federation.robust import robust_updates
 from ondevice_moe.federation.rules import Slots
 from ondevice_moe.federation.secure_aggregation import SecureRound, secure_round
+from ondevice_moe.federation.slots import SlotKeeper
 from ondevice_moe.federation.transport import Transport, decode, encode
+from ondevice_moe.federation.window import Sent, WindowedGrid
 from ondevice_moe.federation.wire import pack, record_bytes, unpack
 from ondevice_moe.methods.base import is_expert_tensor
 from ondevice_moe.recipe import FederationSection
 from ondevice_moe.report import MetricsLog
 
 Progress = Callable[[int, int, str], None]
-POLL_SECONDS = 0.2
-ALIVE_TIMEOUT_S = 15.0  # how long a node the server knows has to answer before a newcomer may take its place
-
-
-class FederationFailure(RuntimeError):
-    """A method cannot go on: too few devices connected or sent sound updates."""
-
+KeepRound = Callable[[int, Slots], None]
+RUN_KEY = "run-key"  # a message's config: the run it belongs to (device_snapshots)
+SUPERLINK_NODE_ID = 0  # the sender of a reply the SuperLink wrote itself (Flower's constant)
+NODE_UNAVAILABLE = 5  # Flower's ErrorCode.NODE_UNAVAILABLE: the node missed its heartbeats
 
 def pack_slots(slots: Slots) -> ArrayRecord:
     """All slots in one ``ArrayRecord``, each tensor under ``<slot>/<name>``."""
@@ -106,75 +108,6 @@ def sample_devices(devices: int, count: int, seed: int, server_round: int) -> li
     return sorted(random.Random(f"{seed}:sample:{server_round}").sample(range(devices), count))
 
 
-def connect(grid: Grid, count: int, timeout: float, refuse: Callable[[int, str], None] | None = None
-            ) -> dict[int, int]:
-    """Device index → node id, once ``count`` devices have connected and said who they are.
-
-    Nodes are asked as they appear; a node claiming a ``partition-id`` another node already holds,
-    or one the recipe does not have, is refused (``refuse(node, why)``) and the wait goes on. Waits
-    at most ``timeout`` seconds in all; fewer devices is a :class:`FederationFailure` naming the
-    missing ``partition-id``s and the refusals.
-    """
-    deadline = time.monotonic() + timeout
-    found: dict[int, int] = {}
-    answered: set[int] = set()
-    refusals: list[str] = []
-    while len(found) < count and (left := deadline - time.monotonic()) > 0:
-        new = sorted(set(grid.get_node_ids()) - answered)
-        if not new:
-            time.sleep(POLL_SECONDS)
-            continue
-        held, refused, replied = identify(grid, new, count, found, left)
-        found.update(held)
-        answered |= replied
-        for node, why in refused.items():
-            refusals.append(why)
-            if refuse is not None:
-                refuse(node, why)
-        if not replied:
-            time.sleep(POLL_SECONDS)
-    if len(found) < count:
-        missing = sorted(set(range(count)) - set(found))
-        refused_text = f"; refused: {'; '.join(refusals)}" if refusals else ""
-        raise FederationFailure(f"only {len(found)} of the {count} devices the recipe needs connected within "
-                                f"{timeout:g}s (federation.reply_timeout_s); missing partition-ids {missing}"
-                                + refused_text)
-    return dict(sorted(found.items()))
-
-
-def identify(grid: Grid, nodes: list[int], count: int, held: dict[int, int], timeout: float
-             ) -> tuple[dict[int, int], dict[int, str], set[int]]:
-    """Ask ``nodes`` which device each is. Returns the devices they newly hold (device → node), the
-    nodes refused with why (a ``partition-id`` outside the recipe's ``count`` devices, or one that
-    ``held`` or an earlier node of ``nodes`` already holds), and the nodes that answered."""
-    messages = [Message(RecordDict(), dst_node_id=node, message_type=MessageType.QUERY) for node in nodes]
-    replies = sorted((reply for reply in grid.send_and_receive(messages, timeout=max(timeout, POLL_SECONDS))
-                      if not reply.has_error()), key=lambda reply: reply.metadata.src_node_id)
-    found: dict[int, int] = {}
-    refused: dict[int, str] = {}
-    for reply in replies:
-        node = reply.metadata.src_node_id
-        try:
-            device = int(reply.content["metrics"]["device"])
-        except (KeyError, TypeError, ValueError):
-            refused[node] = f"node {node} did not say which partition-id it is"
-            continue
-        owner = held.get(device, found.get(device))
-        if not 0 <= device < count:
-            refused[node] = f"node {node} says it is partition-id {device}, but the recipe has devices 0 to {count - 1}"
-        elif owner is not None and owner != node:
-            refused[node] = f"node {node} claims partition-id {device}, which node {owner} already holds"
-        else:
-            found[device] = node
-    return found, refused, {reply.metadata.src_node_id for reply in replies}
-
-
-def tell_refused(grid: Grid, node: int, why: str) -> None:
-    """Send a refused node one query saying why, so its own log shows it (no reply is awaited)."""
-    grid.push_messages([Message(RecordDict({"config": ConfigRecord({REFUSED: why})}), dst_node_id=node,
-                                message_type=MessageType.QUERY)])
-
-
 def decode_update(update: Update, reference: dict[str, torch.Tensor], kind: Transport,
                   partial: bool) -> tuple[Update, str | None]:
     """``update`` with its tensors decoded (in ``reference``'s dtypes), once it passed
@@ -196,84 +129,93 @@ def decode_update(update: Update, reference: dict[str, torch.Tensor], kind: Tran
 class SlotStrategy(Strategy):
     """One method's federation: the server rule's slots, per-device messages, dropped devices.
 
-    ``nodes``: device index → Flower node id (see :func:`connect`); ``log``:
-    the run's ``metrics.jsonl``; ``progress``: called after each round with
-    ``(round, total_rounds, line)``.
+    ``nodes``: device index → Flower node id (:func:`~ondevice_moe.federation.handshake.connect`),
+    followed as devices come and go by :attr:`roster`, which ``keeper`` (real devices) holds to
+    the run's slot keys; ``log``: the run's ``metrics.jsonl``; ``progress``: called after each
+    round with ``(round, total_rounds, line)``. A continued run (``first_round`` after 1) starts
+    from the ``slots`` it kept; ``keep_round(round, slots)`` keeps them after each round;
+    ``run_key`` goes to every device with each message (its state of this run, not another's).
     """
 
-    def __init__(self, job: Job, nodes: dict[int, int], log: MetricsLog, progress: Progress | None = None) -> None:
+    def __init__(self, job: Job, nodes: dict[int, int], log: MetricsLog, progress: Progress | None = None,
+                 keeper: SlotKeeper | None = None, run_key: str | None = None, first_round: int = 1,
+                 slots: Slots | None = None, keep_round: KeepRound | None = None) -> None:
         self.job = job
         self.rule = job.server_rule
-        self.nodes = nodes
-        self.devices = {node: device for device, node in nodes.items()}
         self.log = log
         self.progress = progress
+        self.run_key = run_key
+        self.first_round = first_round
+        self.keep_round = keep_round
         federation = job.recipe.federation
         self.federation = federation
         self.total_rounds = federation.rounds if job.method.trains else 0
-        self.per_round = devices_per_round(federation, len(nodes))
-        self.slots: Slots = self.rule.initial_slots()
+        self.count = len(job.method.layouts)
+        self.roster = NodeRoster(nodes, self.count, self.record, keeper, federation.reply_timeout_s)
+        self.per_round = devices_per_round(federation, self.count)
+        self.slots: Slots = slots if slots is not None else self.rule.initial_slots()
         self._fresh: dict[int, dict[str, torch.Tensor]] = {}
         self._round: dict[str, Any] = {}
-        self._refused: set[int] = set()
+        self._grid: Grid | None = None
         self._privacy = PrivacyLedger(job.recipe.privacy.noise_multiplier, job.recipe.privacy.delta)
+        for done in range(1, first_round):  # the rounds a continued run took before: the same devices took part
+            self._privacy.record_round(self._sampled(done))
+
+    @property
+    def nodes(self) -> dict[int, int]:
+        """Device index → the node that holds it now."""
+        return self.roster.nodes
+
+    @property
+    def devices(self) -> dict[int, int]:
+        """Node id → the device it holds."""
+        return self.roster.devices
 
     def summary(self) -> None:
         flwr_log(INFO, "\t├──> %s: %d of %d devices per round, min %d sound updates, timeout %gs",
-                 self.job.method.name, self.per_round, len(self.nodes), self.federation.min_clients,
+                 self.job.method.name, self.per_round, self.count, self.federation.min_clients,
                  self.federation.reply_timeout_s)
 
-    # -- devices that come and go -----------------------------------------------
-
-    def refresh_nodes(self, grid: Grid) -> None:
-        """Follow devices that rejoined under a new node id (a restarted SuperNode without node
-        authentication registers anew): nodes the server has not seen are asked who they are; one
-        that holds a device takes its place (a ``rejoin`` record), one claiming a device another
-        online node holds, or no device of the recipe, is refused (a ``refused`` record, and the
-        node is told why)."""
-        online = set(grid.get_node_ids())
-        new = sorted(online - set(self.devices) - self._refused)
-        if not new:
-            return
+    def run(self, grid: Grid) -> None:
+        """Every round from ``first_round`` to the last, as Flower's :meth:`Strategy.start` runs them:
+        train, aggregate, evaluate (where :meth:`evaluates` says), then keep the round."""
         timeout = self.federation.reply_timeout_s
-        found, refused, _ = identify(grid, new, len(self.nodes), {}, timeout)
-        # The SuperLink lists a killed node for a while (until its heartbeats are missed): ask the old nodes.
-        owners = sorted({self.nodes[device] for device in found} & online)
-        alive = identify(grid, owners, len(self.nodes), {}, min(ALIVE_TIMEOUT_S, timeout))[2] if owners else set()
-        for device, node in list(found.items()):
-            if self.nodes[device] in alive:
-                refused[node] = f"node {node} claims partition-id {device}, which node {self.nodes[device]} holds"
-                del found[device]
-        for device, node in found.items():
-            self.devices.pop(self.nodes[device], None)
-            self.log.write({"method": self.job.method.name, "kind": "rejoin", "device": device,
-                            "user": self._user(device), "old_node": self.nodes[device], "node": node})
-            self.nodes[device] = node
-            self.devices[node] = device
-        for node, why in refused.items():
-            self.refuse(grid, node, why)
+        arrays = pack_slots(self.slots)
+        for server_round in range(self.first_round, self.total_rounds + 1):
+            replies = grid.send_and_receive(self.configure_train(server_round, arrays, ConfigRecord(), grid),
+                                            timeout=timeout)
+            arrays, _ = self.aggregate_train(server_round, replies)
+            replies = grid.send_and_receive(self.configure_evaluate(server_round, arrays, ConfigRecord(), grid),
+                                            timeout=timeout)
+            self.aggregate_evaluate(server_round, replies)
+            if self.keep_round is not None:
+                self.keep_round(server_round, self.slots)
 
-    def refuse(self, grid: Grid, node: int, why: str) -> None:
-        """Log that ``node`` is refused and why, tell the node, and never ask it again."""
-        self._refused.add(node)
-        self.log.write({"method": self.job.method.name, "kind": "refused", "node": node, "reason": why})
-        flwr_log(WARNING, "refused a node: %s", why)
-        tell_refused(grid, node, why)
+    def record(self, fields: dict[str, Any]) -> None:
+        """Write an event of this method to the run's log, naming the user of its ``device``."""
+        if "device" in fields and "user" not in fields:
+            fields = {**fields, "user": self._user(fields["device"])}
+        self.log.write({"method": self.job.method.name, **fields})
+
+    def _sampled(self, server_round: int) -> list[int]:
+        return sample_devices(self.count, self.per_round, self.job.recipe.seed, server_round)
 
     # -- training -------------------------------------------------------------
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
-        self.refresh_nodes(grid)
+        self._grid = grid
+        self.roster.refresh(grid)
         self.slots = unpack_slots(arrays, self.rule.initial_slots())
-        sampled = sample_devices(len(self.nodes), self.per_round, self.job.recipe.seed, server_round)
-        self._round = {"started": time.perf_counter(), "sampled": sampled, "sent": {}}
+        sampled = self._sampled(server_round)
+        present = [device for device in sampled if device in self.nodes]
+        self._round = {"started": time.perf_counter(), "sampled": sampled, "present": present, "sent": {}}
         self._privacy.record_round(sampled)
-        messages = self._train_messages(sampled, server_round)
+        messages = self._train_messages(present, server_round)
         if self.federation.secure_aggregation == "secaggplus":
             # SecAgg+'s four round trips run here, where Flower hands over the Grid; Flower then sends nothing.
-            by_node = {self.nodes[device]: message for device, message in zip(sampled, messages, strict=True)}
-            self._round["secure"] = secure_round(grid, by_node, self._common_reference(sampled), self.federation,
+            by_node = {self.nodes[device]: message for device, message in zip(present, messages, strict=True)}
+            self._round["secure"] = secure_round(grid, by_node, self._common_reference(present), self.federation,
                                                  server_round)
             return []
         return messages
@@ -289,7 +231,8 @@ class SlotStrategy(Strategy):
 
     def aggregate_train(self, server_round: int,
                         replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        drops: dict[int, str] = {}
+        drops = {device: f"not connected: no node holds partition-id {device}"
+                 for device in self._round["sampled"] if device not in self._round["present"]}
         secure = self._round.get("secure")
         if secure is None:
             sound, bytes_up, bytes_up_other = self._sound_updates(server_round, replies, drops)
@@ -321,7 +264,7 @@ class SlotStrategy(Strategy):
         each device's ``train`` record is written, the rest go to ``drops``."""
         sound: list[tuple[Update, dict[str, Any], int, dict[str, torch.Tensor]]] = []
         bytes_up = bytes_up_other = 0
-        for device, reply in self._by_device(replies, self._round["sampled"], drops):
+        for device, reply in self._by_device(replies, self._round["present"], drops, self._round["started"]):
             update, metrics, size, problem = self._read_update(reply, device)
             wire = update.tensors
             if not problem:
@@ -352,7 +295,7 @@ class SlotStrategy(Strategy):
         """A SecAgg+ round as the rule sees it: one update, the devices' weighted mean (so the rule's
         mean of it is itself). Bytes are all a device sent in the protocol's four stages."""
         finished = {self.devices[node]: metrics for node, metrics in secure.metrics.items()}
-        for device in self._round["sampled"]:
+        for device in self._round["present"]:
             if device not in finished:
                 drops[device] = "dropped out of SecAgg+ (" + ("; ".join(secure.failures) or "no reply") + ")"
         if secure.mean is None:
@@ -387,7 +330,7 @@ class SlotStrategy(Strategy):
                         "clip_norm": privacy.clip_norm, "noise_multiplier": privacy.noise_multiplier,
                         "noise_std": noise_std(privacy), "devices": len(norms),
                         "clipped": sum(norm > privacy.clip_norm for norm in norms.values()),
-                        "update_norms": norms, "sampling_rate": self.per_round / len(self.nodes),
+                        "update_norms": norms, "sampling_rate": self.per_round / self.count,
                         "uploads": self._privacy.most_uploads, "epsilon": spent if math.isfinite(spent) else None,
                         "delta": privacy.delta})
 
@@ -412,7 +355,9 @@ class SlotStrategy(Strategy):
                            grid: Grid) -> Iterable[Message]:
         if not self.evaluates(server_round):
             return []
-        self.refresh_nodes(grid)
+        self._grid = grid
+        self.roster.refresh(grid)
+        self._round["evaluation_started"] = time.perf_counter()
         self.slots = unpack_slots(arrays, self.rule.initial_slots())
         final = server_round == self.total_rounds
         kept = self.rule.final_state(self.slots) if final else {}
@@ -428,7 +373,8 @@ class SlotStrategy(Strategy):
             return None
         drops: dict[int, str] = {}
         headline = []
-        for device, reply in self._by_device(replies, list(self.nodes), drops):
+        asked = sorted(self.nodes)
+        for device, reply in self._by_device(replies, asked, drops, self._round["evaluation_started"]):
             metrics = dict(reply.content["metrics"])
             self._time_handler(device, metrics)
             for index in self._own_users(device):  # a device reports for the users it holds, nobody else
@@ -438,10 +384,10 @@ class SlotStrategy(Strategy):
                     self.log.write({**values, "method": self.job.method.name, "round": server_round, "kind": "eval",
                                     "user": self.job.recipe.user_names[index]})
         self._record_drops(server_round, "evaluate", drops)
-        evaluated = len(self.nodes) - len(drops)
-        if server_round == self.total_rounds and evaluated < min(self.federation.min_clients, len(self.nodes)):
-            reasons = "; ".join(f"device {d}: {why}" for d, why in sorted(drops.items()))
-            raise FederationFailure(f"the final evaluation succeeded on {evaluated} of {len(self.nodes)} devices, "
+        evaluated = len(asked) - len(drops)
+        if server_round == self.total_rounds and evaluated < min(self.federation.min_clients, self.count):
+            reasons = "; ".join(f"device {d}: {why}" for d, why in sorted(drops.items())) or "none connected"
+            raise FederationFailure(f"the final evaluation succeeded on {evaluated} of {self.count} devices, "
                                     f"fewer than federation.min_clients={self.federation.min_clients} ({reasons})")
         mean = sum(headline) / len(headline) if headline else None  # None: no device could be evaluated
         self._report(server_round, mean)
@@ -451,6 +397,7 @@ class SlotStrategy(Strategy):
 
     def evaluate_untrained(self, grid: Grid) -> None:
         """The single evaluation of a method that does not train (the pretrained reference)."""
+        self._round = {"started": time.perf_counter()}
         messages = self.configure_evaluate(0, pack_slots(self.slots), ConfigRecord(), grid)
         self.aggregate_evaluate(0, grid.send_and_receive(messages, timeout=self.federation.reply_timeout_s))
 
@@ -467,13 +414,25 @@ class SlotStrategy(Strategy):
         if "handler_s" in metrics:
             self._round.setdefault("handlers", []).append((device, worker, float(metrics["handler_s"])))
 
+    def _time_exchange(self, device: int, reply: Message) -> None:
+        """Note how long a device's message and its reply took, from the server pushing it to reading the
+        reply (what :class:`~ondevice_moe.federation.window.WindowedGrid` saw of the exchange)."""
+        sent = self._exchanged(reply)
+        if sent is not None and sent.answered is not None:
+            exchanges = self._round.setdefault("exchanges", {})
+            exchanges[device] = exchanges.get(device, 0.0) + sent.answered - sent.pushed
+
     def _log_round(self, server_round: int) -> None:
         """The round's ``round`` record: its wall time (the server sending the first train message to the
         last evaluation reply read), the slowest client's train + evaluate time, the busiest worker's
         (the handlers one worker process ran, in turn) and the overhead: the share of the wall time
         that is neither, ``(wall_s - busiest_worker_s) / wall_s``. Where every client has its own
         worker, the busiest worker's time is the slowest client's. ``base_loads``: the most base-model
-        loads any worker of the round has made since it started (1: loaded once per process)."""
+        loads any worker of the round has made since it started (1: loaded once per process).
+        ``wire_s``: on real devices, the most time one device's messages of the round spent between the
+        server and its handler, both ways (its exchanges' time less its handlers' time: transfer over
+        its link and Flower's pacing, which polls for work every few seconds); ``None`` where the grid
+        does not see exchanges (the simulation's)."""
         wall = time.perf_counter() - self._round["started"]
         per_device: dict[int, float] = {}
         per_worker: dict[Any, float] = {}
@@ -481,11 +440,13 @@ class SlotStrategy(Strategy):
             per_device[device] = per_device.get(device, 0.0) + seconds
             per_worker[worker] = per_worker.get(worker, 0.0) + seconds
         busiest = max(per_worker.values(), default=0.0)
+        exchanges = self._round.get("exchanges", {}) if self.job.submitted else {}
+        wire = max((exchanges[device] - per_device.get(device, 0.0) for device in exchanges), default=None)
         self.log.write({"method": self.job.method.name, "round": server_round, "kind": "round", "wall_s": wall,
                         "slowest_client_s": max(per_device.values(), default=0.0), "busiest_worker_s": busiest,
                         "workers": len(per_worker), "clients": len(per_device),
                         "base_loads": max(self._round.get("base_loads", {}).values(), default=0),
-                        "overhead": (wall - busiest) / wall})
+                        "overhead": (wall - busiest) / wall, "wire_s": wire})
 
     # -- helpers --------------------------------------------------------------
 
@@ -493,24 +454,50 @@ class SlotStrategy(Strategy):
         train_round = server_round if kind == MessageType.TRAIN else None
         arrays = pack(encode(self.rule.message_for(self.slots, device, train_round), self.federation.transport))
         config = ConfigRecord({"server-round": server_round, "final": final, "method": self.job.method_index})
+        if self.run_key is not None:
+            config[RUN_KEY] = self.run_key
         return Message(RecordDict({"arrays": arrays, "config": config}), dst_node_id=self.nodes[device],
                        message_type=kind, group_id=str(server_round))
 
-    def _by_device(self, replies: Iterable[Message], expected: list[int],
-                   drops: dict[int, str]) -> list[tuple[int, Message]]:
-        """Sound replies in device order (so aggregation is deterministic); the rest go to ``drops``."""
+    def _by_device(self, replies: Iterable[Message], expected: list[int], drops: dict[int, str],
+                   started: float) -> list[tuple[int, Message]]:
+        """Sound replies in device order (so aggregation is deterministic); the rest go to ``drops``, each
+        with what happened: it raised, went offline (the SuperLink answers for a node that missed its
+        heartbeats), or sent nothing before the exchange ended (``started``: when it began)."""
         answered: dict[int, Message] = {}
         for reply in replies:
-            device = self.devices.get(reply.metadata.src_node_id)
+            device = self._sender(reply)
             if device is None:
                 continue
             answered[device] = reply
             if reply.has_error():
-                drops[device] = f"raised {device_error(reply.error.reason)}"
+                offline = reply.error.code == NODE_UNAVAILABLE
+                drops[device] = ("went offline (its SuperNode missed its heartbeats)" if offline
+                                 else f"raised {device_error(reply.error.reason)}")
+            else:
+                self._time_exchange(device, reply)
+        waited = time.perf_counter() - started
+        timeout = self.federation.reply_timeout_s
         for device in expected:
             if device not in answered:
-                drops[device] = f"no reply within {self.federation.reply_timeout_s:g}s"
+                drops[device] = (f"no reply within {timeout:g}s" if waited >= timeout
+                                 else f"no reply (the exchange ended after {waited:.0f}s)")
         return [(device, answered[device]) for device in sorted(answered) if device not in drops]
+
+    def _sender(self, reply: Message) -> int | None:
+        """The device a reply is from: its node's, or, for a reply the SuperLink wrote itself (a node that
+        went offline), that of the node the message went to."""
+        node = reply.metadata.src_node_id
+        if node == SUPERLINK_NODE_ID:
+            sent = self._exchanged(reply)
+            node = sent.node if sent is not None else node
+        return self.devices.get(node)
+
+    def _exchanged(self, reply: Message) -> Sent | None:
+        """What the windowed grid noted of the message ``reply`` answers (``None`` on another grid)."""
+        if not isinstance(self._grid, WindowedGrid):
+            return None
+        return self._grid.exchange.get(reply.metadata.reply_to_message_id)
 
     def _read_update(self, reply: Message, device: int) -> tuple[Update, dict[str, Any], int, str | None]:
         """The update a reply carries, its train metrics, its size in bytes, and why it is malformed."""

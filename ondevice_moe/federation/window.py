@@ -13,7 +13,11 @@ SuperNodes), where every device works at once, the window is unbounded unless th
 
 Replies are pulled as they come: the wait between empty pulls starts at :data:`FIRST_PULL_SECONDS`
 and doubles up to :data:`PULL_SECONDS`, so a fast round is read within milliseconds and a slow one
-does not poll the SuperLink more than Flower's own grid does.
+does not poll the SuperLink more than Flower's own grid does. Each exchange notes, per message, the
+node it went to, when it was pushed and when its reply was read (:attr:`WindowedGrid.exchange`): the
+strategy tells from it which device a reply the SuperLink wrote belongs to (a node that went
+offline) and how long each device's messages spent outside its handler (the round's time on the
+wire, transfer and Flower's pacing together).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import itertools
 import os
 import time
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 
 from flwr.app import Message
 from flwr.proto.node_pb2 import NodeInfo  # pylint: disable=E0611
@@ -47,6 +52,15 @@ def simulation_window(federation: FederationSection) -> int:
     return WORKER_MULTIPLE * workers
 
 
+@dataclass
+class Sent:
+    """One message of an exchange: its destination, when it was pushed, when its reply was read."""
+
+    node: int
+    pushed: float
+    answered: float | None = None
+
+
 class WindowedGrid(Grid):
     """``grid`` with ``send_and_receive`` keeping at most ``window`` messages in flight.
 
@@ -65,6 +79,7 @@ class WindowedGrid(Grid):
         self.grid = grid
         self.window = window
         self.budget_bytes = budget_bytes
+        self.exchange: dict[str, Sent] = {}  # the last exchange's messages, by message id
 
     def set_run(self, run: Run) -> None:
         self.grid.set_run(run)
@@ -105,17 +120,26 @@ class WindowedGrid(Grid):
         in_flight: set[str] = set()
         replies: list[Message] = []
         end = None if timeout is None else time.monotonic() + timeout
+        self.exchange = {}
 
         def fill() -> None:
             batch = list(itertools.islice(waiting, window - len(in_flight)))
             if batch:  # one push for every message that has room
-                in_flight.update(self.grid.push_messages(batch))
+                pushed = list(self.grid.push_messages(batch))
+                now = time.monotonic()
+                for message_id, message in zip(pushed, batch, strict=False):
+                    self.exchange[message_id] = Sent(message.metadata.dst_node_id, now)
+                in_flight.update(pushed)
 
         fill()
         pause = FIRST_PULL_SECONDS
         while in_flight and (end is None or time.monotonic() < end):
             answered = list(self.grid.pull_messages(in_flight))
             replies.extend(answered)
+            now = time.monotonic()
+            for reply in answered:
+                if reply.metadata.reply_to_message_id in self.exchange:
+                    self.exchange[reply.metadata.reply_to_message_id].answered = now
             in_flight.difference_update(reply.metadata.reply_to_message_id for reply in answered)
             fill()
             if answered:
