@@ -10,9 +10,10 @@ The same recipe and methods run three ways, each into its own folder under ``--o
   process per device, which runs every message of its device.
 
 From each run's ``round`` records: the mean wall time of a round, the busiest process's handler
-time, the overhead ``(wall − busiest) ÷ wall``, the processes that served a round (``workers``), the
-most base-model loads of one process, the whole command's wall time (start-up included) and the
-mean in-distribution result, which must agree between the three.
+time, the overhead ``(wall − busiest) ÷ wall`` and ``wall ÷ busiest − 1`` (the same fact, as a share
+of the work rather than of the wall), the round's time on the wire (real devices only), the processes
+that served a round (``workers``), the most base-model loads of one process, the whole command's wall
+time (start-up included) and the mean in-distribution result, which must agree between the three.
 
 Usage:
     python benchmarks/deployment_rounds.py [--recipe tests/recipes/tiny.yaml] [--rounds R] [--iterations I]
@@ -100,6 +101,9 @@ def run_mode(args, mode: str, devices: int) -> dict[str, object]:
     return {"command_s": wall, "round_wall_s": statistics.fmean(r["wall_s"] for r in rounds),
             "busiest_worker_s": statistics.fmean(r["busiest_worker_s"] for r in rounds),
             "overhead": statistics.fmean(r["overhead"] for r in rounds),
+            "over_busiest": statistics.fmean(r["wall_s"] / r["busiest_worker_s"] - 1 for r in rounds),
+            "wire_s": statistics.fmean(r["wire_s"] for r in rounds) if all(r.get("wire_s") is not None
+                                                                           for r in rounds) else None,
             "workers_per_round": statistics.fmean(r["workers"] for r in rounds),
             "base_loads": max(r["base_loads"] for r in rounds),
             "mean_in": {name: method["mean_in"] if "mean_in" in method else method.get("mean_score")
@@ -108,14 +112,16 @@ def run_mode(args, mode: str, devices: int) -> dict[str, object]:
 
 def markdown(figures: dict[str, dict]) -> str:
     simulation = figures.get("simulation", {}).get("round_wall_s")
-    lines = ["| mode | round wall (s) | × simulation | busiest process (s) | overhead | processes per round | "
-             "base loads per process | command (s) | mean in-dist |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| mode | round wall (s) | × simulation | busiest process (s) | overhead | wall ÷ busiest − 1 | "
+             "wire (s) | processes per round | base loads per process | command (s) | mean in-dist |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for mode, f in figures.items():
         results = ", ".join(f"{name} {value:.2f}" for name, value in f["mean_in"].items())
         ratio = f"{f['round_wall_s'] / simulation:.2f}" if simulation else "—"
+        wire = f"{f['wire_s']:.1f}" if f.get("wire_s") is not None else "—"
         lines.append(f"| {mode} | {f['round_wall_s']:.1f} | {ratio} | "
-                     f"{f['busiest_worker_s']:.2f} | {f['overhead']:.2f} | {f['workers_per_round']:.1f} | "
-                     f"{f['base_loads']} | {f['command_s']:.0f} | {results} |")
+                     f"{f['busiest_worker_s']:.2f} | {f['overhead']:.2f} | {100 * f['over_busiest']:.0f} % | {wire} | "
+                     f"{f['workers_per_round']:.1f} | {f['base_loads']} | {f['command_s']:.0f} | {results} |")
     return "\n".join(lines)
 
 

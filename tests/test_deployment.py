@@ -1,11 +1,10 @@
 """Every part of a real deployment on localhost: a ``flower-superlink`` and ``flower-supernode``
-processes (tests/localhost_federation.py), ``ondevice-moe finetune --federation`` submitting to
+processes (``ondevice_moe.federation.localhost``), ``ondevice-moe finetune --federation`` submitting to
 it, each device with a ``data-path`` folder only it has and a ``state-dir`` of its own."""
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import sysconfig
@@ -27,20 +26,6 @@ USERS = ("code", "docs", "tests")
 
 
 DEPLOYMENT_DOC = Path(__file__).resolve().parents[1] / "docs" / "deployment.md"
-
-
-def make_security(folder: Path, devices: int) -> dict[str, Path]:
-    """A CA, a SuperLink certificate for localhost and 127.0.0.1 signed by it, and an ECDSA key pair per
-    device for SuperNode authentication, made by running docs/deployment.md's block as it is written."""
-    doc = DEPLOYMENT_DOC.read_text(encoding="utf-8")
-    section = doc[doc.index("## 1. Certificates and keys"):doc.index("## 2.")]
-    block = section.split("```bash\n", 1)[1].split("```", 1)[0]
-    folder.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "SUPERLINK_HOST": "localhost", "SUPERLINK_IP": "127.0.0.1", "DEVICES": str(devices)}
-    subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=folder, env=env, check=True, capture_output=True)
-    keys = folder / "keys"
-    files = {"ca_cert": keys / "ca.crt", "server_cert": keys / "server.crt", "server_key": keys / "server.key"}
-    return files | {f"node{device}": keys / f"device{device}" for device in range(devices)}
 
 
 def device_folders(root: Path) -> list[Path]:
@@ -153,66 +138,31 @@ def test_devices_keep_their_data_and_private_state_and_a_killed_device_resumes(t
         assert len(kept_state) == 1 and (kept_state[0] / "device_state" / "comigs-1G1S" / "round-3.pb").is_file()
 
 
-def test_tls_and_node_authentication_refuse_strangers_and_a_lost_device_leaves_the_others_a_result(tmp_path):
-    """TLS, SuperNode authentication, Flower's default process per message; one device is lost for good."""
-    data = device_folders(tmp_path / "data")
-    recipe_file = tmp_path / "recipe.yaml"
-    device_recipe(recipe_file, "fedavg", rounds=2, timeout=30)
-    secure = make_security(tmp_path / "keys", len(USERS) + 1)
-    federation = LocalFederation(tmp_path / "federation", secure)
-    try:
-        federation.start_superlink()
-        federation.connection_config(tmp_path / "cli")
-        for device in range(len(USERS)):  # the stranger's key (the last one) is never registered
-            registered = subprocess.run([str(BIN / "flwr"), "supernode", "register", f"{secure[f'node{device}']}.pub",
-                                         "local-test"], env=environment(tmp_path / "cli"), capture_output=True,
-                                        text=True, timeout=120)
-            assert registered.returncode == 0, registered.stdout + registered.stderr
-        nodes = [federation.start_supernode(device, data[device], private_key=secure[f"node{device}"])
-                 for device in range(len(USERS))]
-        stranger = federation.start_supernode(0, data[0], name="stranger", private_key=secure[f"node{len(USERS)}"])
-        output = tmp_path / "server-run"
-        run = finetune(recipe_file, output, tmp_path / "cli")
-        wait_for(federation.server_runs() / output.name, "comm", 1, run)
-        federation.kill(nodes[2])  # and it never comes back
-        out, _ = run.communicate(timeout=600)
-        assert run.returncode == 0, out
-        assert "insecure" not in out
-        assert "1/2: round 1" in out  # progress as lines when the output is no terminal
-    finally:
-        federation.stop()
-    log = records(output)
-    method = json.loads((output / "summary.json").read_text())["methods"]["fedavg"]
-    assert method["not_evaluated"] == ["tests"] and sorted(method["per_user"]) == ["code", "docs"]
-    drops = {(r["device"], r["round"], r["phase"]) for r in log if r["kind"] == "drop"}
-    assert drops == {(2, 2, "train"), (2, 2, "evaluate")}
-    assert not [r for r in log if r["kind"] == "refused"]  # the stranger never got in to claim anything
-    assert "no final figures for tests" in (output / "report.md").read_text()
-    assert "Failed to activate SuperNode" in stranger.text()  # the SuperLink refused its unregistered key
-    assert stranger.popen.returncode not in (None, 0)
-
-
-def test_the_deployment_benchmark_runs_on_devices_with_one_process_each(tmp_path, monkeypatch):
+def test_the_deployment_benchmark_runs_on_devices_with_flowers_process_per_message(tmp_path, monkeypatch):
+    """Flower's default isolation, a fresh ``flwr-clientapp`` process per message (the other tests run
+    ``ondevice-moe device``, one process per device)."""
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import deployment_rounds
 
     figures = deployment_rounds.main(["--recipe", str(Path(__file__).parent / "recipes" / "tiny.yaml"),
-                                      "--rounds", "1", "--iterations", "1", "--modes", "deployment + device",
+                                      "--rounds", "1", "--iterations", "1", "--modes", "deployment",
                                       "--output", str(tmp_path)])
-    measured = figures["deployment + device"]
-    assert measured["base_loads"] == 1 and measured["workers_per_round"] <= 3
+    measured = figures["deployment"]
+    assert measured["workers_per_round"] == 2 * 3  # a process for each device's train and evaluate message
     assert 0 < measured["busiest_worker_s"] < measured["round_wall_s"] and measured["mean_in"]["fedavg"] > 1
-    assert "| deployment + device |" in (tmp_path / "deployment_rounds.md").read_text()
+    assert measured["wire_s"] > 0 and measured["over_busiest"] > 0
+    assert "| deployment |" in (tmp_path / "deployment_rounds.md").read_text()
 
 
 def test_the_localhost_federation_starts_every_process_with_the_flags_the_deployment_doc_gives(tmp_path):
-    """docs/deployment.md's SuperLink and SuperNode commands and the processes these tests start
+    """docs/deployment.md's SuperLink, device and SuperNode commands and the processes these tests start
     take the same flags, so following the doc is what the tests above do."""
     doc = DEPLOYMENT_DOC.read_text(encoding="utf-8")
 
     def flags(section: str, program: str) -> set[str]:
         text = doc[doc.index(section):]
-        block = text.split("```bash\n", 1)[1].split("```", 1)[0]
+        blocks = [block.split("```", 1)[0] for block in text.split("```bash\n")[1:]]
+        block = next(block for block in blocks if program in block)
         command = block[block.index(program):].replace("\\\n", " ").split("\n", 1)[0]
         return {word for word in command.split() if word.startswith("--")}
 
@@ -220,6 +170,8 @@ def test_the_localhost_federation_starts_every_process_with_the_flags_the_deploy
     federation = LocalFederation(tmp_path, keys)
     superlink = set(federation.superlink_command(tmp_path))
     supernode = set(federation.supernode_command("partition-id=0", 9094, tmp_path / "device0"))
+    device = set(federation.device_command("partition-id=0", 9094, tmp_path / "device0"))
     assert flags("## 2. The SuperLink", "flower-superlink") <= superlink
+    assert flags("## 4. Each device", "ondevice-moe device") <= device
     assert flags("## 4. Each device", "flower-supernode") <= supernode
     assert flags("## One process per device", "flower-supernode") - {"--isolation"} <= supernode

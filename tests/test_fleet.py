@@ -105,7 +105,7 @@ def test_a_crashed_server_continues_its_run_and_ends_with_the_figures_of_an_unin
 
 def test_a_slot_belongs_to_the_key_that_first_claimed_it_across_restarts_and_a_bound_key_wins(tmp_path):
     folders = private_folders(tmp_path / "data")
-    recipe = device_recipe(rounds=1)
+    recipe = device_recipe(rounds=1, min_clients=2, join_wait_s=0)
     keys = {device: _key(device) for device in range(4)}
     grid = KeyedGrid(recipe, folders, tmp_path, keys)
     for server in ("server", "bound"):
@@ -195,8 +195,8 @@ def test_a_device_that_went_offline_is_dropped_for_that_and_not_for_a_timeout(tm
     grid = OfflineGrid(recipe, folders, tmp_path, offline=2)
     records = federate(recipe, grid, tmp_path / "server", windowed=True)
     reasons = {r["phase"]: r["reason"] for r in records if r["kind"] == "drop"}
-    assert reasons == {"train": "went offline (its SuperNode missed its heartbeats)",
-                       "evaluate": "went offline (its SuperNode missed its heartbeats)"}
+    assert reasons == {"train": "went offline (Flower: its SuperNode stopped or missed its heartbeats)",
+                       "evaluate": "went offline (Flower: its SuperNode stopped or missed its heartbeats)"}
 
 
 def test_a_recipe_that_names_a_place_on_a_device_is_refused_before_anything_is_sent(tmp_path):

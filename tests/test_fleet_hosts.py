@@ -63,7 +63,7 @@ def test_a_fleet_survives_its_server_and_its_submitter_and_keeps_slots_paths_and
     server, laptop = fleet.folder("server"), fleet.folder("laptop")
     # 1. Keys, made on the laptop by the doc's block as written; each machine gets its own files.
     made = fleet.run("laptop", ["bash", "-euo", "pipefail", "-c", doc_block("## 1. Certificates and keys")],
-                     env={"SUPERLINK_HOST": "server.fleet", "SUPERLINK_IP": fleet.address("server"), "DEVICES": "4"})
+                     env={"SUPERLINK_HOST": "server.fleet", "SUPERLINK_IP": fleet.address("server"), "DEVICES": "5"})
     assert made.returncode == 0, made.stderr
     keys = laptop / "keys"
     (server / "keys").mkdir()
@@ -97,6 +97,12 @@ def test_a_fleet_survives_its_server_and_its_submitter_and_keeps_slots_paths_and
         fleet.start(host, "device", [str(BIN / "ondevice-moe"), "device", "--superlink",
                                      f"{fleet.address('server')}:{PORT}", "--superlink-ca", "ca.crt", "--key",
                                      "device.key", "--node-config", node_config], environment(fleet.folder(host)))
+    # A stranger on the intruder's machine: Flower's own SuperNode with a key nobody registered.
+    shutil.copy(keys / "device4", fleet.folder("intruder") / "stranger.key")
+    stranger = fleet.start("intruder", "stranger", [
+        str(BIN / "flower-supernode"), "--superlink", f"{fleet.address('server')}:{PORT}", "--root-certificates",
+        "ca.crt", "--auth-supernode-private-key", "stranger.key", "--port", "9095", "--node-config",
+        f'partition-id=0 state-dir="{fleet.folder("intruder") / "stranger"}"'], environment(fleet.folder("intruder")))
     recipe = laptop / "on-devices.yaml"
     recipe.write_text(yaml.safe_dump(_recipe(rounds=3)))
     bind = [arg for index, user in enumerate(USERS) for arg in ("--bind", f"{user}=keys/device{index}.pub")]
@@ -108,7 +114,9 @@ def test_a_fleet_survives_its_server_and_its_submitter_and_keeps_slots_paths_and
     # The uninterrupted run; the intruder, a registered node, is refused and named.
     whole = fleet.run("laptop", finetune("whole"), env=environment(laptop), timeout=600)
     assert whole.returncode == 0, whole.stdout + whole.stderr
-    assert "refused" in whole.stdout and "bound to key" in whole.stdout
+    assert "refused" in whole.stdout and "bound to key" in whole.stdout and "insecure" not in whole.stdout
+    assert "fedavg 1/3: round 1" in whole.stdout  # progress as lines when the output is no terminal
+    assert stranger.popen.wait(60) != 0 and "Failed to activate SuperNode" in stranger.text()  # not registered
     report = (laptop / "runs" / "whole" / "report.md").read_text()
     assert "## Refused nodes" in report and "partition-id 1, which is bound to key" in report
     reference = json.loads((laptop / "runs" / "whole" / "summary.json").read_text())["methods"]

@@ -135,7 +135,8 @@ def test_a_second_run_into_a_folder_in_use_is_refused_and_a_dead_owners_lock_tak
         runner.run_recipe(recipe, run_dir)
     assert simulated == []
     os.kill(holder.pid, signal.SIGKILL)  # killed: a zombie until reaped, its pid still taken
-    while Path(f"/proc/{holder.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+    while (Path(f"/proc/{holder.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+           or len(os.listdir(f"/proc/{holder.pid}/task")) > 1):  # every thread gone, the process not yet reaped
         time.sleep(0.05)
     (run_dir / runner.LOCK).write_text(json.dumps({"pid": os.getpid()}))  # even naming a live pid holds nothing
     with pytest.raises(UserError, match="did not finish"):  # the stub trains nothing, but the run went ahead

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import os
 import random
-import shlex
 import signal
 import socket
 import subprocess
@@ -106,8 +105,8 @@ class LocalFederation:
 
     def superlink_command(self, folder: Path) -> list[str]:
         """``flower-superlink`` as docs/deployment.md starts it (insecure where no certificates were given)."""
-        command = [str(BIN / "flower-superlink"), "--port", str(self.port), "--database", str(folder / "state.db"),
-                   "--disable-runtime-dependency-installation"]
+        command = [str(BIN / "flower-superlink"), "--host", "127.0.0.1", "--port", str(self.port), "--database",
+                   str(folder / "state.db"), "--disable-runtime-dependency-installation"]
         if self.secure is None:
             return [*command, "--insecure"]
         return [*command, "--ssl-certfile", str(self.secure["server_cert"]), "--ssl-keyfile",
@@ -125,8 +124,9 @@ class LocalFederation:
 
     def start_supernode(self, partition: int, data_path: Path | None, name: str | None = None,
                         private_key: Path | None = None, warm: bool = False) -> Process:
-        """A SuperNode for ``partition``; ``warm``: with ``--isolation process`` and an ``ondevice-moe
-        device`` process beside it that runs every message (one process per device, docs/deployment.md)."""
+        """A SuperNode for ``partition``; ``warm``: one ``ondevice-moe device --superlink`` process instead,
+        which starts the SuperNode with ``--isolation process``, keeps it running, and runs every message
+        itself (one process per device, docs/deployment.md)."""
         name = name or f"device{partition}"
         folder = self.root / name
         folder.mkdir(parents=True, exist_ok=True)
@@ -134,11 +134,18 @@ class LocalFederation:
         if data_path is not None:
             node_config += f' data-path="{data_path}"'
         runtime_port = free_port()
-        command = self.supernode_command(node_config, runtime_port, private_key)
-        if warm:  # both in one session, so that killing the device kills both
-            device = [str(BIN / "ondevice-moe"), "device", "--runtime-api", f"127.0.0.1:{runtime_port}"]
-            command = ["bash", "-c", f"{shlex.join([*command, '--isolation', 'process'])} & exec {shlex.join(device)}"]
-        return self._start(name, command, folder)
+        if warm:
+            return self._start(name, self.device_command(node_config, runtime_port, private_key), folder)
+        return self._start(name, self.supernode_command(node_config, runtime_port, private_key), folder)
+
+    def device_command(self, node_config: str, runtime_port: int, private_key: Path | None) -> list[str]:
+        """``ondevice-moe device --superlink`` as docs/deployment.md starts it on a device."""
+        command = [str(BIN / "ondevice-moe"), "device", "--superlink", f"127.0.0.1:{self.port}", "--node-config",
+                   node_config, "--runtime-api", f"127.0.0.1:{runtime_port}"]
+        if self.secure is None:
+            return [*command, "--insecure"]
+        command += ["--superlink-ca", str(self.secure["ca_cert"])]
+        return command + (["--key", str(private_key)] if private_key is not None else [])
 
     def connection_config(self, home: Path, name: str = "local-test") -> Path:
         """Flower's CLI connection config naming this SuperLink ``name``, in ``home``'s ``.flwr``."""

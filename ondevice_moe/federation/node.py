@@ -12,7 +12,7 @@ On real devices (Flower's deployment engine) each SuperNode is started with
   (default ``~/.ondevice-moe/devices/partition-<id>``).
 
 Nothing the server sends becomes a path on the device: the recipe's and methods' names are
-plain names (:mod:`ondevice_moe.names`), and the server's ``run-dir`` is never used here.
+plain names (:mod:`ondevice_moe.names`), and the server's run folder is never named to a device.
 """
 
 from __future__ import annotations

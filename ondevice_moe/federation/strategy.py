@@ -67,8 +67,9 @@ from ondevice_moe.report import MetricsLog
 Progress = Callable[[int, int, str], None]
 KeepRound = Callable[[int, Slots], None]
 RUN_KEY = "run-key"  # a message's config: the run it belongs to (device_snapshots)
-SUPERLINK_NODE_ID = 0  # the sender of a reply the SuperLink wrote itself (Flower's constant)
 NODE_UNAVAILABLE = 5  # Flower's ErrorCode.NODE_UNAVAILABLE: the node missed its heartbeats
+LOST_ON_THE_WAY = (3, 4)  # Flower's MESSAGE_UNAVAILABLE, REPLY_MESSAGE_UNAVAILABLE: expired or never arrived whole
+WAIT_SECONDS = 2.0  # between looks for devices to come back online
 
 def pack_slots(slots: Slots) -> ArrayRecord:
     """All slots in one ``ArrayRecord``, each tensor under ``<slot>/<name>``."""
@@ -200,6 +201,27 @@ class SlotStrategy(Strategy):
     def _sampled(self, server_round: int) -> list[int]:
         return sample_devices(self.count, self.per_round, self.job.recipe.seed, server_round)
 
+    def _online(self, grid: Grid, wanted: list[int]) -> list[int]:
+        """The devices of ``wanted`` whose node is online (Flower lists only those). With fewer than
+        ``min_clients`` of them, the round waits (up to ``reply_timeout_s``) for devices to come back:
+        a restarted SuperNode takes a few seconds to connect, a killed one a minute or so to be let in
+        again. Where Flower lists no node as online (the simulation), every device counts as online."""
+        enough = min(self.federation.min_clients, len(wanted))
+        deadline = time.monotonic() + self.federation.reply_timeout_s
+        while True:
+            online = set(grid.get_node_ids())
+            present = [device for device in wanted if self.nodes.get(device) in online]
+            if len(present) >= enough or time.monotonic() >= deadline:
+                return present
+            time.sleep(WAIT_SECONDS)
+            self.roster.refresh(grid)
+
+    def _absent(self, device: int) -> str:
+        """Why a device was not sent the round's message."""
+        if device not in self.nodes:
+            return f"not connected: no node holds partition-id {device}"
+        return f"offline when the round began (node {self.nodes[device]} is not connected)"
+
     # -- training -------------------------------------------------------------
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
@@ -208,8 +230,9 @@ class SlotStrategy(Strategy):
         self.roster.refresh(grid)
         self.slots = unpack_slots(arrays, self.rule.initial_slots())
         sampled = self._sampled(server_round)
-        present = [device for device in sampled if device in self.nodes]
-        self._round = {"started": time.perf_counter(), "sampled": sampled, "present": present, "sent": {}}
+        started = time.perf_counter()
+        present = self._online(grid, sampled)
+        self._round = {"started": started, "sampled": sampled, "present": present, "sent": {}}
         self._privacy.record_round(sampled)
         messages = self._train_messages(present, server_round)
         if self.federation.secure_aggregation == "secaggplus":
@@ -231,8 +254,8 @@ class SlotStrategy(Strategy):
 
     def aggregate_train(self, server_round: int,
                         replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        drops = {device: f"not connected: no node holds partition-id {device}"
-                 for device in self._round["sampled"] if device not in self._round["present"]}
+        drops = {device: self._absent(device) for device in self._round["sampled"]
+                 if device not in self._round["present"]}
         secure = self._round.get("secure")
         if secure is None:
             sound, bytes_up, bytes_up_other = self._sound_updates(server_round, replies, drops)
@@ -365,15 +388,16 @@ class SlotStrategy(Strategy):
             kept = dict(pack_slots(self.slots).to_torch_state_dict())
         if kept:
             save_server_checkpoint(self.job, kept)
-        return (self._message(device, MessageType.EVALUATE, server_round, final) for device in self.nodes)
+        self._round["asked"] = self._online(grid, sorted(self.nodes))
+        return (self._message(device, MessageType.EVALUATE, server_round, final) for device in self._round["asked"])
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         if not self.evaluates(server_round):  # Flower calls this every round; nobody was asked
             self._log_round(server_round)
             return None
-        drops: dict[int, str] = {}
+        drops = {device: self._absent(device) for device in range(self.count) if device not in self._round["asked"]}
         headline = []
-        asked = sorted(self.nodes)
+        asked = self._round["asked"]
         for device, reply in self._by_device(replies, asked, drops, self._round["evaluation_started"]):
             metrics = dict(reply.content["metrics"])
             self._time_handler(device, metrics)
@@ -384,7 +408,7 @@ class SlotStrategy(Strategy):
                     self.log.write({**values, "method": self.job.method.name, "round": server_round, "kind": "eval",
                                     "user": self.job.recipe.user_names[index]})
         self._record_drops(server_round, "evaluate", drops)
-        evaluated = len(asked) - len(drops)
+        evaluated = self.count - len(drops)
         if server_round == self.total_rounds and evaluated < min(self.federation.min_clients, self.count):
             reasons = "; ".join(f"device {d}: {why}" for d, why in sorted(drops.items())) or "none connected"
             raise FederationFailure(f"the final evaluation succeeded on {evaluated} of {self.count} devices, "
@@ -471,9 +495,7 @@ class SlotStrategy(Strategy):
                 continue
             answered[device] = reply
             if reply.has_error():
-                offline = reply.error.code == NODE_UNAVAILABLE
-                drops[device] = ("went offline (its SuperNode missed its heartbeats)" if offline
-                                 else f"raised {device_error(reply.error.reason)}")
+                drops[device] = _error_reason(reply.error.code, reply.error.reason)
             else:
                 self._time_exchange(device, reply)
         waited = time.perf_counter() - started
@@ -485,13 +507,11 @@ class SlotStrategy(Strategy):
         return [(device, answered[device]) for device in sorted(answered) if device not in drops]
 
     def _sender(self, reply: Message) -> int | None:
-        """The device a reply is from: its node's, or, for a reply the SuperLink wrote itself (a node that
-        went offline), that of the node the message went to."""
-        node = reply.metadata.src_node_id
-        if node == SUPERLINK_NODE_ID:
-            sent = self._exchanged(reply)
-            node = sent.node if sent is not None else node
-        return self.devices.get(node)
+        """The device a reply answers for: that of the node its message went to (a reply Flower wrote
+        itself, for a node that went offline or a reply lost on the way, has another sender), else that
+        of its sender's node."""
+        sent = self._exchanged(reply)
+        return self.devices.get(sent.node if sent is not None else reply.metadata.src_node_id)
 
     def _exchanged(self, reply: Message) -> Sent | None:
         """What the windowed grid noted of the message ``reply`` answers (``None`` on another grid)."""
@@ -558,6 +578,15 @@ class SlotStrategy(Strategy):
         if self._round["drops"]:
             parts.append("dropped device " + ", ".join(str(d) for d in self._round["drops"]))
         self.progress(server_round, self.total_rounds, ", ".join(parts))
+
+
+def _error_reason(code: int, reason: str) -> str:
+    """Why a device is dropped, from the error its reply carries."""
+    if code == NODE_UNAVAILABLE:
+        return "went offline (Flower: its SuperNode stopped or missed its heartbeats)"
+    if code in LOST_ON_THE_WAY:
+        return f"its reply did not arrive (Flower: {' '.join(reason.split())})"
+    return f"raised {device_error(reason)}"
 
 
 _FLOWER_ERROR = re.compile(r"<class '(?:[\w.]+\.)?(\w+)'>:<'(.*)'>", re.DOTALL)
