@@ -55,7 +55,9 @@ def options(argv: Sequence[str] | None):
 
 
 def environment(folder: Path) -> dict[str, str]:
-    return {"HOME": str(folder / "home"), "FLWR_HOME": str(folder / "home" / ".flwr"),
+    """A host's process: its own home; the model cache of the user running the benchmark (converted once)."""
+    cache = os.environ.get("ONDEVICE_MOE_CACHE") or str(Path.home() / ".cache" / "ondevice-moe")
+    return {"HOME": str(folder / "home"), "FLWR_HOME": str(folder / "home" / ".flwr"), "ONDEVICE_MOE_CACHE": cache,
             "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", "HF_HUB_OFFLINE": "1",
             "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1"}
 

@@ -319,6 +319,9 @@ def device_runtime(
         help="With --superlink: this device's private key for SuperNode authentication.")] = None,
     insecure: Annotated[bool, typer.Option(
         "--insecure", help="With --superlink: no TLS to the SuperLink (a trusted lab network only).")] = False,
+    poll_s: Annotated[float, typer.Option(
+        help="With --superlink: ask the SuperLink for work every this many seconds when idle (Flower's own "
+             "pace is 3).", min=0.05, max=3.0)] = 0.5,
 ) -> None:
     """Run this device's ClientApp tasks in one long-lived process: imports and the base model once, not per
     message (docs/deployment.md). With --superlink it also starts this device's SuperNode and keeps it
@@ -330,7 +333,8 @@ def device_runtime(
     supervisor = None
     try:
         if superlink is not None:
-            supervisor = _supervised_supernode(superlink, node_config, superlink_ca, key, insecure, runtime_api)
+            supervisor = _supervised_supernode(superlink, node_config, superlink_ca, key, insecure, runtime_api,
+                                               poll_s)
             signal.signal(signal.SIGTERM, _interrupted)  # a service manager's stop: stop the SuperNode too
         serve(runtime_api, root_certificates)
     except UserError as error:
@@ -347,7 +351,7 @@ def _interrupted(*_: object) -> None:
 
 
 def _supervised_supernode(superlink: str, node_config: str | None, ca: Path | None, key: Path | None,
-                          insecure: bool, runtime_api: str):
+                          insecure: bool, runtime_api: str, poll_s: float):
     """Start this device's SuperNode (and keep it running) for ``ondevice-moe device --superlink``."""
     from flwr.supercore import log
 
@@ -362,7 +366,7 @@ def _supervised_supernode(superlink: str, node_config: str | None, ca: Path | No
     port = runtime_api.rpartition(":")[2]
     if not port.isdigit():
         raise UserError(f"--runtime-api {runtime_api} has no port", "give HOST:PORT, e.g. 127.0.0.1:9094")
-    supervisor = Supervisor(supernode_command(superlink, node_config, int(port), ca, key), log)
+    supervisor = Supervisor(supernode_command(superlink, node_config, int(port), ca, key, poll_s), log)
     supervisor.start()
     return supervisor
 

@@ -349,6 +349,43 @@ def test_the_supervisor_starts_an_exiting_supernode_again_with_growing_pauses(tm
     assert stopped.read_text() == "graceful" and lasting.starts == 1  # SIGTERM, not SIGKILL; not started again
 
 
+def test_a_devices_private_state_stays_on_its_disk_and_out_of_the_message_path(tmp_path):
+    """A real device's Flower context, which passes through its SuperNode with every message, names its
+    state's file: CoMiGS's private experts, routers and AdamW moments stay on the device's disk."""
+    from flwr.common.serde import context_to_proto
+
+    folders = private_folders(tmp_path / "data")
+    recipe = device_recipe({"name": "comigs", "variant": "1G1S"}, rounds=1)
+    grid = DeviceGrid(recipe, folders, tmp_path)
+    federate(recipe, grid, tmp_path / "server")
+    job = device_job(grid.contexts[grid.node_of(0)], 0)
+    private = device_snapshots.state_folder(job) / "private-1.safetensors"
+    for context in grid.contexts.values():  # the recipe travels in its run config; its state is a file's name
+        assert context_to_proto(context).state.ByteSize() < 1024 < private.stat().st_size
+
+
+def test_a_paced_supernode_waits_at_most_its_poll_and_runs_flowers_own_loop():
+    from flwr.supernode import start_client_internal
+
+    from ondevice_moe.federation.supernode_pace import PacedTime, pace
+    from ondevice_moe.federation.supervisor import supernode_command
+
+    slept = []
+    clock = type("Clock", (), {"sleep": staticmethod(slept.append), "monotonic": staticmethod(lambda: 7)})
+    paced = PacedTime(0.5, real=clock())
+    paced.sleep(3)
+    paced.sleep(0.2)
+    assert slept == [0.5, 0.2] and paced.monotonic() == 7
+    original = start_client_internal.time
+    try:
+        pace(0.25)
+        assert start_client_internal.time.poll_s == 0.25  # Flower's loop now sleeps through it
+    finally:
+        start_client_internal.time = original
+    command = supernode_command("10.0.0.1:9093", "partition-id=0", 9094, None, None, 0.5)
+    assert command[1:4] == ["-m", "ondevice_moe.federation.supernode_pace", "0.5"] and "--insecure" in command
+
+
 def test_a_device_keeps_its_last_two_rounds_and_forgets_another_runs_state(tmp_path):
     folders = private_folders(tmp_path / "data")
     recipe = device_recipe(rounds=3)

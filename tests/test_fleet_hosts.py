@@ -204,3 +204,16 @@ def _until_ok(attempt, tries: int = 30):
             return done
         time.sleep(1)
     return done
+
+
+def test_the_slow_links_benchmark_runs_a_round_on_rate_limited_hosts(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import slow_links
+
+    figures = slow_links.main(["--recipe", str(Path(__file__).parent / "recipes" / "tiny.yaml"), "--rounds", "1",
+                               "--iterations", "1", "--methods", "fedavg", "--transports", "fp32", "int8",
+                               "--users", "[{name: code, source: python-code}, {name: news, source: bbc-news}]",
+                               "--mbit", "20", "--output", str(tmp_path)])
+    fp32, int8 = figures["fp32"]["fedavg"], figures["int8"]["fedavg"]
+    assert 3.5 * int8["bytes_up"] < fp32["bytes_up"] and fp32["wire_s"] > 0 and fp32["busiest_s"] > 0
+    assert "| fedavg | int8 |" in (tmp_path / "slow_links.md").read_text()

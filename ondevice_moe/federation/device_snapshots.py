@@ -28,7 +28,7 @@ from pathlib import Path
 from flwr.app import ConfigRecord, Context
 
 from ondevice_moe.errors import UserError
-from ondevice_moe.federation.device_state import STATE_KEY, state_folder
+from ondevice_moe.federation.device_state import state_folder
 from ondevice_moe.federation.job import Job
 
 RUN_FILE = "run.json"
@@ -114,12 +114,6 @@ def keep(job: Job, context: Context, key: str, server_round: int) -> None:
 def noise_secret(job: Job, key: str) -> int:
     """This device's privacy-noise secret for run ``key``: drawn once per run, kept on its disk."""
     return int(enter_run(job, key)["noise"])
-
-
-def holds_tensors_file(context: Context) -> bool:
-    """Whether the context names its tensors' file rather than carrying them (always, on a device)."""
-    record = context.state.get(STATE_KEY)
-    return record is None or "path" in record
 
 
 def _write(path: Path, data: bytes) -> None:

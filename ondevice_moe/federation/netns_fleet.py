@@ -23,6 +23,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ondevice_moe.federation.localhost import Process
+
 SUBNET = "10.77.0"  # the fleet's own addresses, inside its namespaces only
 
 
@@ -37,16 +39,10 @@ def available() -> str | None:
 
 
 @dataclass
-class HostProcess:
-    """A process of a host, started by :meth:`NetnsFleet.start`."""
+class HostProcess(Process):
+    """A process of ``host``, started by :meth:`NetnsFleet.start`."""
 
-    host: str
-    name: str
-    popen: subprocess.Popen
-    log: Path
-
-    def text(self) -> str:
-        return self.log.read_text(encoding="utf-8", errors="replace")
+    host: str = ""
 
 
 @dataclass
@@ -101,7 +97,7 @@ class NetnsFleet:
         with log.open("a", encoding="utf-8") as handle:
             popen = subprocess.Popen(self._on(host, command), env={**os.environ, **(env or {})}, stdout=handle,
                                      stderr=subprocess.STDOUT, start_new_session=True)
-        process = HostProcess(host, name, popen, log)
+        process = HostProcess(name, popen, log, host)
         self.processes.append(process)
         return process
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -25,6 +24,8 @@ from collections.abc import Callable
 from logging import INFO, WARNING
 from pathlib import Path
 
+from ondevice_moe.federation.supernode_pace import POLL_S
+
 FIRST_PAUSE_S = 2.0
 LONGEST_PAUSE_S = 60.0
 SETTLED_S = 60.0
@@ -33,12 +34,12 @@ EXIT_CODE = re.compile(r"Exit Code: (\d+)")  # how Flower names why it exits (th
 
 
 def supernode_command(superlink: str, node_config: str, runtime_port: int, certificates: Path | None,
-                      private_key: Path | None) -> list[str]:
-    """``flower-supernode`` handing its tasks to an executor on ``runtime_port`` (``--isolation process``);
-    insecure where no CA certificate is given."""
-    program = shutil.which("flower-supernode") or str(Path(sys.executable).with_name("flower-supernode"))
-    command = [program, "--superlink", superlink, "--node-config", node_config, "--isolation", "process",
-               "--port", str(runtime_port)]
+                      private_key: Path | None, poll_s: float = POLL_S) -> list[str]:
+    """``flower-supernode`` handing its tasks to an executor on ``runtime_port`` (``--isolation process``),
+    asking for work every ``poll_s`` seconds (:mod:`~ondevice_moe.federation.supernode_pace`); insecure
+    where no CA certificate is given."""
+    command = [sys.executable, "-m", "ondevice_moe.federation.supernode_pace", f"{poll_s:g}", "--superlink",
+               superlink, "--node-config", node_config, "--isolation", "process", "--port", str(runtime_port)]
     command += ["--root-certificates", str(certificates)] if certificates is not None else ["--insecure"]
     return command + (["--auth-supernode-private-key", str(private_key)] if private_key is not None else [])
 
