@@ -25,14 +25,19 @@ For language modelling the table also holds the standard error of each user's me
 the test blocks (mean over users and runs): a 1 % perplexity gap is a NLL gap of 0.01, so one run
 resolves it only when this is well under 0.01.
 
-The paired comparison against a reference method: for every (run, user) pair the method's value
-against the reference's — for perplexities the relative gap ``100·ln(ppl / ppl_reference)`` in
-percent (users' perplexities differ by a factor of three, so raw differences would weigh the
-hardest user most), for task scores the difference in points — their mean and standard error, and
-the two-sided p-values of a paired t-test and of a Wilcoxon signed-rank test over the pairs. A gap
-counts as larger than its noise when both p < 0.05. Pairing removes what the methods share (the
-users' test blocks, the run's data); what remains is training noise across seeds and users. A pair
-where either value diverged (no finite figure) is left out; the table counts the pairs it used.
+The paired comparison against a reference method tests at the unit that is independent: the run
+(seed). Per run, the method's per-user gap to the reference — for perplexities the relative gap
+``100·ln(ppl / ppl_reference)`` in percent (users' perplexities differ by a factor of three, so raw
+differences would weigh the hardest user most), for task scores the difference in points — is
+averaged over the run's users; the runs' gaps are then paired by run: their mean and standard
+error, and the two-sided p-values of a paired t-test and of a Wilcoxon signed-rank test over the
+n runs. The users of one run share its global model, its training noise and its data partition,
+so they are not independent draws: the (run, user) pairs are shown beside, as description only. A
+gap counts as larger than its noise when the t-test's p < 0.05 and, from six runs on, the
+Wilcoxon test's too; below six runs the Wilcoxon test cannot reach 0.05 (its smallest two-sided p
+is 2/2ⁿ), and the table says so. Where the runs share one data partition (their recipes pin
+``data_seed``), n counts training seeds only, and the table says that too. A user whose either
+value diverged (no finite figure) is left out of its run's mean.
 
 With ``per_round`` both tables follow the training: each round that every run evaluated is read
 from the folders' ``metrics.jsonl`` (its ``eval`` records, and the uploads up to that round) and
@@ -340,16 +345,28 @@ def _mean_standard_error(entries: list[dict[str, Any]], key: str) -> str:
 def paired_differences(summaries: list[dict[str, Any]], method: str, reference: str, key: str) -> list[float]:
     """``method`` against ``reference`` for every (run, user) pair with both values, on the per-user value
     ``key``: ``100·ln(ours / theirs)`` (percent) for perplexities, ``ours − theirs`` for task scores."""
+    return [gap for run in run_differences(summaries, method, reference, key) for gap in run]
+
+
+def run_differences(summaries: list[dict[str, Any]], method: str, reference: str, key: str) -> list[list[float]]:
+    """Per run, the per-user gaps of :func:`paired_differences` (a run without a pair gives an empty list)."""
     perplexity = key in ("in", "out")
-    differences = []
+    runs = []
     for summary in summaries:
         ours, theirs = summary["methods"][method]["per_user"], summary["methods"][reference]["per_user"]
+        gaps = []
         for user in summary["users"]:
             mine, other = ours.get(user, {}).get(key), theirs.get(user, {}).get(key)
             if mine is None or other is None or (perplexity and min(mine, other) <= 0):
                 continue  # not evaluated, or diverged
-            differences.append(100.0 * math.log(mine / other) if perplexity else mine - other)
-    return differences
+            gaps.append(100.0 * math.log(mine / other) if perplexity else mine - other)
+        runs.append(gaps)
+    return runs
+
+
+def seed_differences(summaries: list[dict[str, Any]], method: str, reference: str, key: str) -> list[float]:
+    """Per run (seed) with a pair, the mean over its users of the per-user gaps: the test's unit."""
+    return [statistics.fmean(gaps) for gaps in run_differences(summaries, method, reference, key) if gaps]
 
 
 def paired_test(differences: list[float]) -> tuple[float, float, float, float]:
@@ -367,24 +384,54 @@ def paired_test(differences: list[float]) -> tuple[float, float, float, float]:
     return mean, standard_error, t_p, wilcoxon_p
 
 
+WILCOXON_RESOLVES = 6  # runs from which a two-sided Wilcoxon signed-rank test can reach p < 0.05 (2/2⁶ = 0.031)
+
+
+def larger_than_noise(t_p: float, wilcoxon_p: float, runs: int) -> bool:
+    """The decision rule: the t-test's p below :data:`SIGNIFICANCE`, and the Wilcoxon test's too where it can be."""
+    return t_p < SIGNIFICANCE and (wilcoxon_p < SIGNIFICANCE or runs < WILCOXON_RESOLVES)
+
+
+def unit_note(summaries: list[dict[str, Any]]) -> str:
+    """What the paired test's unit and n are, and what they cannot show."""
+    runs = len(summaries)
+    note = (f"Paired test at the run (seed) level: n = {runs} run(s), each the mean over its users of the per-user "
+            "gap; the users of one run share its global model and data, so the (run, user) pairs are description "
+            "only.")
+    if runs < 2:
+        note += " One run: no test is possible; compare several seeds."
+    elif runs < WILCOXON_RESOLVES:
+        note += (f" With {runs} runs the Wilcoxon test's smallest p is {2 / 2 ** runs:.3g}: it cannot reach "
+                 f"{SIGNIFICANCE} below {WILCOXON_RESOLVES} runs, so the t-test decides alone.")
+    partitions = {summary.get("split_seed") for summary in summaries}
+    if runs > 1 and len(partitions) == 1 and None not in partitions:
+        note += (f" These runs share one data partition (data_seed {partitions.pop()}): n counts training seeds "
+                 "only, and the partition's own variation is not in the test.")
+    return note
+
+
 def paired_table(summaries: list[dict[str, Any]], reference: str) -> str:
-    """Every other method against ``reference``, per value: the paired gap, its pairs and both tests."""
+    """Every other method against ``reference``, per value: the seed-level paired gap, the runs, both
+    tests and the verdict, and the (run, user) pairs as description."""
     if reference not in _common_methods(summaries):
         raise UserError(f"method '{reference}' is not in every run",
                         f"use one of {', '.join(_common_methods(summaries))}")
     unit = " points" if "score" in _value_keys(summaries) else "%"
-    header = ["method", "value", f"mean Δ{unit} vs {reference} (s.e.)", "pairs", "paired t p", "Wilcoxon p",
-              "gap larger than noise"]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    header = ["method", "value", f"mean Δ{unit} vs {reference} (s.e.), over runs", "runs", "paired t p",
+              "Wilcoxon p", "gap larger than noise", "(run, user) pairs: mean Δ (s.e.), n"]
+    lines = [unit_note(summaries), "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for method in _common_methods(summaries):
         if method == reference:
             continue
         for key in _value_keys(summaries):
-            differences = paired_differences(summaries, method, reference, key)
-            mean, error, t_p, wilcoxon_p = paired_test(differences)
-            larger = t_p < SIGNIFICANCE and wilcoxon_p < SIGNIFICANCE
-            lines.append(f"| {method} | {key} | {_number(mean, '+')} ({_number(error)}) | {len(differences)} | "
-                         f"{t_p:.3g} | {wilcoxon_p:.3g} | {'yes' if larger else 'no'} |")
+            seeds = seed_differences(summaries, method, reference, key)
+            mean, error, t_p, wilcoxon_p = paired_test(seeds)
+            pairs = paired_differences(summaries, method, reference, key)
+            pair_mean, pair_error, _, _ = paired_test(pairs)
+            larger = larger_than_noise(t_p, wilcoxon_p, len(seeds))
+            lines.append(f"| {method} | {key} | {_number(mean, '+')} ({_number(error)}) | {len(seeds)} | "
+                         f"{t_p:.3g} | {wilcoxon_p:.3g} | {'yes' if larger else 'no'} | "
+                         f"{_number(pair_mean, '+')} ({_number(pair_error)}), {len(pairs)} |")
     return "\n".join(lines)
 
 
@@ -417,8 +464,8 @@ def round_tables(runs: list[Path], final: list[dict[str, Any]], reference: str |
     header = ["method", "value", *(f"round {r}" for r in rounds)]
     rule = "|" + "---|" * len(header)
     values = [f"Per round: mean (std) over {len(runs)} run(s)", "", "| " + " | ".join(header) + " |", rule]
-    gaps = [f"Per round: mean Δ vs {reference} (s.e.), paired t p / Wilcoxon p; bold where both p < {SIGNIFICANCE}",
-            "", "| " + " | ".join(header) + " |", rule]
+    gaps = [f"Per round: mean Δ vs {reference} (s.e.) over runs, paired t p / Wilcoxon p; bold where the gap is "
+            f"larger than its noise. {unit_note(final)}", "", "| " + " | ".join(header) + " |", rule]
     for method in methods:
         for key in keys:
             cells, gap_cells = [], []
@@ -438,12 +485,14 @@ def round_tables(runs: list[Path], final: list[dict[str, Any]], reference: str |
 def _round_gap(summaries: list[dict[str, Any]], method: str, reference: str, key: str) -> str:
     if reference not in _common_methods(summaries):
         return "–"
-    mean, error, t_p, wilcoxon_p = paired_test(paired_differences(summaries, method, reference, key))
+    seeds = seed_differences(summaries, method, reference, key)
+    mean, error, t_p, wilcoxon_p = paired_test(seeds)
     gap = f"{_number(mean, '+')} ({_number(error)})"
-    if t_p < SIGNIFICANCE and wilcoxon_p < SIGNIFICANCE:
+    if larger_than_noise(t_p, wilcoxon_p, len(seeds)):
         gap = f"**{gap}**"
     return f"{gap}, {t_p:.2g} / {wilcoxon_p:.2g}"
 
 
-__all__ = ["comparison", "evaluated_rounds", "load_summaries", "matched_centres", "paired_differences", "paired_table",
-           "paired_test", "round_tables", "seed_table"]
+__all__ = ["comparison", "evaluated_rounds", "larger_than_noise", "load_summaries", "matched_centres",
+           "paired_differences", "paired_table", "paired_test", "round_tables", "run_differences", "seed_differences",
+           "seed_table", "unit_note"]

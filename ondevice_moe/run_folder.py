@@ -147,6 +147,7 @@ def finish_report(recipe: Recipe, run_dir: Path) -> RunResult:
     records = log.read()
     names = [m.name for m in methods]
     summary = summarize(records, names, recipe.user_names, recipe.metric, eval_split(recipe))
+    summary["seed"], summary["split_seed"] = recipe.seed, recipe.split_seed  # compare: the test's unit and n
     failed = {r["method"]: r["message"] for r in records if r.get("kind") == "error" and r["method"] not in finished}
     plots = [p for p in (plot_rounds(records, names, run_dir / "plots" / "rounds.png"),
                          plot_loss_curves(records, names, run_dir / "plots" / "loss_curves.png"),

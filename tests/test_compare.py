@@ -52,8 +52,36 @@ def test_paired_table_tells_a_consistent_gap_from_noise():
     expected = [100 * math.log(s["methods"]["better"]["per_user"][u]["in"] / s["methods"]["base"]["per_user"][u]["in"])
                 for s in summaries for u in USERS]
     assert gaps == pytest.approx(expected) and all(-4 < g < -1.5 for g in gaps)  # 1 in 30-45: -2 to -3 %
-    assert f"| {sum(expected) / 12:+.2f} (" in better and better.endswith("| yes |") and "| 12 |" in better
-    assert same.endswith("| no |")
+    seeds = [statistics.fmean(expected[4 * run:4 * run + 4]) for run in range(3)]  # the unit: a run's mean gap
+    assert compare.seed_differences(summaries, "better", "base", "in") == pytest.approx(seeds)
+    assert f"| {statistics.fmean(seeds):+.2f} (" in better and "| yes |" in better and "| 3 |" in better
+    assert better.endswith(f", {len(expected)} |")  # the (run, user) pairs, as description
+    assert "| no |" in same
+    assert "n = 3 run(s)" in table and "cannot reach 0.05 below 6 runs" in table
+
+
+def test_the_test_is_at_the_seed_where_clients_of_one_seed_would_look_significant():
+    """Users of one run share its model and data: three seeds whose users all move together give 30
+    (run, user) pairs that a client-level test calls significant, and three runs that say nothing."""
+    users = [f"u{i}" for i in range(10)]
+    effects = [-2.0, -2.2, 0.5]  # each seed's own shift, every user of it alike (in %)
+    rng = random.Random(3)
+    summaries = []
+    for seed, effect in enumerate(effects):
+        base = {u: 30.0 + i for i, u in enumerate(users)}
+        moved = {u: v * math.exp((effect + rng.gauss(0, 0.05)) / 100) for u, v in base.items()}
+        methods = {name: {"per_user": {u: {"in": v} for u, v in values.items()},
+                          "mean_in": statistics.fmean(values.values()), "std_in": 0.0}
+                   for name, values in (("base", base), ("moved", moved))}
+        summaries.append({"users": users, "methods": methods, "split_seed": seed})
+    pairs = compare.paired_differences(summaries, "moved", "base", "in")
+    assert len(pairs) == 30 and compare.paired_test(pairs)[2] < 1e-3  # as if every client were independent
+    row = next(line for line in compare.paired_table(summaries, "base").splitlines() if line.startswith("| moved |"))
+    cells = [cell.strip() for cell in row.strip("|").split("|")]
+    assert cells[3] == "3" and float(cells[4]) > 0.05 and cells[6] == "no" and cells[7].endswith(", 30")
+    shared = [{**summary, "split_seed": 0} for summary in summaries]
+    assert "share one data partition (data_seed 0)" in compare.unit_note(shared)
+    assert "share one data partition" not in compare.unit_note(summaries)
 
 
 def test_paired_table_names_a_missing_reference():
@@ -148,12 +176,13 @@ def test_the_command_prints_the_mean_over_runs_and_the_paired_test_as_computed_b
     means = [statistics.fmean(run["better"].values()) for run in per_run]  # 28.0, 29.75, 28.25
     assert f"| better | {statistics.fmean(means):.2f} ({statistics.stdev(means):.2f}) |" in result.output
     assert "| 2.0 KiB |" in result.output.split("| better |")[1].splitlines()[0]  # upload: mean of 0, 2, 4 KiB
-    gaps = [100 * math.log(run["better"][u] / run["base"][u]) for run in per_run for u in ("a", "b")]
+    gaps = [statistics.fmean(100 * math.log(run["better"][u] / run["base"][u]) for u in ("a", "b"))
+            for run in per_run]  # per run (seed), its users' mean gap
     row = next(line for line in result.output.splitlines() if line.startswith("| better | in |"))
-    t_p = stats.ttest_rel([math.log(run["better"][u]) for run in per_run for u in ("a", "b")],
-                          [math.log(run["base"][u]) for run in per_run for u in ("a", "b")]).pvalue
+    t_p = stats.ttest_1samp(gaps, 0.0).pvalue
     error = statistics.stdev(gaps) / math.sqrt(len(gaps))
-    assert row.startswith(f"| better | in | {statistics.fmean(gaps):+.2f} ({error:.2f}) | 6 | {t_p:.3g} |")
+    assert row.startswith(f"| better | in | {statistics.fmean(gaps):+.2f} ({error:.2f}) | 3 | {t_p:.3g} |")
+    assert "n = 3 run(s)" in " ".join(result.output.split())
 
 
 @pytest.mark.parametrize(("content", "problem"), [
@@ -205,9 +234,10 @@ def test_per_round_tables_follow_the_training_as_the_logged_evaluations_give_it(
     assert (f"| base@faster | score | {statistics.fmean(after_one):.2f} ({statistics.stdev(after_one):.2f}) | "
             "86.00 (1.00) |") in values
     assert "| base | score | 66.00 (1.00) | 86.00 (1.00) |" in values
-    differences = [lift + extra for lift in lifts for extra in (0.0, 0.1)]
+    differences = [lift + 0.05 for lift in lifts]  # per run (seed): its two users' mean gap
     error = statistics.stdev(differences) / math.sqrt(len(differences))
     t_p, wilcoxon_p = stats.ttest_1samp(differences, 0.0).pvalue, stats.wilcoxon(differences).pvalue
+    assert t_p < 0.05 < wilcoxon_p  # three runs: the t-test decides, the Wilcoxon test cannot reach 0.05
     assert (f"| base@faster | score | **{statistics.fmean(differences):+.2f} ({error:.2f})**, {t_p:.2g} / "
             f"{wilcoxon_p:.2g} | +0.00 (0.00), nan / nan |") in gaps
 
