@@ -164,7 +164,7 @@ def summarize(records: list[dict[str, Any]], methods: list[str], users: list[str
             statistics.fmean(r.get("bytes_up_not_experts", 0) for r in comm) if comm else 0.0)
         entry["download_bytes_per_round"] = statistics.fmean(r["bytes_down"] for r in comm) if comm else 0.0
         entry["dropped"] = dict(Counter(r["user"] for r in records if r["method"] == method and r["kind"] == "drop"))
-        refused = [r["reason"] for r in records if r["method"] == method and r["kind"] == "refused"]
+        refused = list(dict.fromkeys(r["reason"] for r in records if r["method"] == method and r["kind"] == "refused"))
         if refused:  # nodes that claimed a slot they may not hold (docs/deployment.md)
             entry["refused"] = refused
         resumed = [r["round"] for r in records if r["method"] == method and r["kind"] == "resume"]

@@ -55,11 +55,13 @@ def device_recipe(path: Path, method: object, rounds: int, timeout: float) -> di
     return raw
 
 
+def finetune_command(recipe: Path, output: Path) -> list[str]:
+    return [str(BIN / "ondevice-moe"), "finetune", str(recipe), "--federation", "local-test", "--output", str(output)]
+
+
 def finetune(recipe: Path, output: Path, cli_home: Path) -> subprocess.Popen:
-    env = environment(cli_home)
-    return subprocess.Popen([str(BIN / "ondevice-moe"), "finetune", str(recipe), "--federation", "local-test",
-                             "--output", str(output)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    return subprocess.Popen(finetune_command(recipe, output), env=environment(cli_home), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
 
 
 def records(output: Path) -> list[dict]:
@@ -79,10 +81,11 @@ def wait_for(server_run: Path, kind: str, server_round: int, process: subprocess
 
 
 def test_devices_keep_their_data_and_private_state_and_a_killed_device_resumes(tmp_path):
-    """Insecure link, one ``ondevice-moe device`` process per device."""
+    """Insecure link, one ``ondevice-moe device`` process per device; the run is stopped with
+    ``finetune --stop`` after round 2 and continued by the same command."""
     data = device_folders(tmp_path / "data")
     recipe_file = tmp_path / "recipe.yaml"
-    raw = device_recipe(recipe_file, {"name": "comigs", "variant": "1G1S"}, rounds=3, timeout=40)
+    raw = device_recipe(recipe_file, {"name": "comigs", "variant": "1G1S"}, rounds=4, timeout=40)
     federation = LocalFederation(tmp_path / "federation")
     try:
         federation.start_superlink()
@@ -95,6 +98,14 @@ def test_devices_keep_their_data_and_private_state_and_a_killed_device_resumes(t
         federation.kill(nodes[2])  # SIGKILL mid-run, then the device comes back with the same state-dir
         time.sleep(2)
         federation.start_supernode(2, data[2], warm=True)
+        wait_for(federation.server_runs() / output.name, "round", 2, run)
+        stop = subprocess.run([*finetune_command(recipe_file, output), "--stop"], env=environment(tmp_path / "cli"),
+                              capture_output=True, text=True, timeout=120)
+        assert stop.returncode == 0 and "stopped Flower run" in stop.stdout, stop.stdout + stop.stderr
+        out, _ = run.communicate(timeout=300)
+        assert run.returncode == 2 and "was stopped" in out and "run the same command again" in out, out
+        assert (federation.server_runs() / output.name / "report.md").is_file()  # the stop wrote it, on the server
+        run = finetune(recipe_file, output, tmp_path / "cli")  # the same command continues it
         out, _ = run.communicate(timeout=600)
         assert run.returncode == 0, out
     finally:
@@ -107,8 +118,13 @@ def test_devices_keep_their_data_and_private_state_and_a_killed_device_resumes(t
     assert "not measured" in (output / "report.md").read_text()
     # The device that was killed rejoined under a new node id and resumed its private state from disk.
     assert [r["device"] for r in log if r["kind"] == "rejoin"] == [2]
-    resumed = [r for r in log if r["kind"] == "train" and r["user"] == "tests" and r["round"] == 3]
-    assert resumed and resumed[0]["resumed_round"] == 1
+    trained = sorted((r["round"], r) for r in log if r["kind"] == "train" and r["user"] == "tests" and r["round"] > 1)
+    assert trained and trained[0][1]["resumed_round"] == 1
+    # The stopped run continued from the round it had completed, every device from its own disk.
+    continued = method["continued_after"]
+    assert len(continued) == 1 and continued[0] >= 2
+    after = [r for r in log if r["kind"] == "train" and r["round"] == continued[0] + 1]
+    assert len(after) == len(USERS) and all(r["resumed_round"] >= 1 for r in after)
     # The impostor (or the device it raced) was refused, with the reason in the log and on the node.
     refused = [r for r in log if r["kind"] == "refused"]
     assert refused and "claims partition-id 1" in refused[0]["reason"]

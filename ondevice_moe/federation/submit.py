@@ -15,6 +15,9 @@ started for it; a rerun follows that run if it still lives. When the log breaks 
 outcome (this command or the server went down), it starts a new Flower run of the same run: its
 ServerApp either continues the run from its last completed round or, finding another ServerApp
 driving the folder, says which Flower run that is (``busy``), and this command follows that one.
+A Flower run someone stopped (``--stop``, ``flwr stop``) ends the command; the same command run
+again continues it. (A stopped run's log takes nothing more: the ServerApp writes its report on
+the server, and the files come with the run's end.)
 """
 
 from __future__ import annotations
@@ -49,6 +52,8 @@ FLOWER_LOG = "flwr.log"  # in --output: what Flower printed, the files' parts le
 REACH_PATIENCE_S = 600.0  # how long to wait for an unreachable SuperLink before giving up
 ATTEMPTS = 4  # Flower runs in a row that end without a word from the ServerApp before giving up
 START_TRIES = 3  # `flwr run`s in a row that the SuperLink does not take before giving up
+STOPPED = "finished:stopped"  # a Flower run someone stopped (`flwr ls`)
+FINISHED = "finished"  # any ended Flower run's status begins so
 
 OnMethod = Callable[[str, int, int], None]
 OnRound = Callable[[int, int, str], None]
@@ -134,6 +139,13 @@ class Flower:
                         "check that the SuperLink is up and Flower's connection config names it right "
                         "(docs/deployment.md)")
 
+    def status(self, run: int) -> str | None:
+        """The Flower run's status (``running``, ``finished:stopped``, ...); ``None`` where the SuperLink does not say."""
+        done = self.command("ls", self.federation, "--run-id", str(run), "--format", "json", timeout=60.0)
+        with contextlib.suppress(ValueError, KeyError, IndexError, TypeError):
+            return str(json.loads(done.stdout[done.stdout.index("{"):])["runs"][0]["status"])
+        return None
+
     def stop(self, run: int) -> subprocess.CompletedProcess:
         return self.command("stop", str(run), self.federation)
 
@@ -177,6 +189,8 @@ def submit_run(recipe: Recipe, output: Path, federation: str, on_method: OnMetho
     output.mkdir(parents=True, exist_ok=True)
     flower = Flower(federation, output / FLOWER_LOG)
     record = _read_record(output, federation)
+    if record is not None and (flower.status(record) or "").startswith(FINISHED):
+        record = None  # it ended (stopped, failed, or done while no one followed it): a new one continues the run
     fresh = overwrite  # the first Flower run started here replaces the run on the server
     quiet = 0
 
@@ -205,6 +219,8 @@ def submit_run(recipe: Recipe, output: Path, federation: str, on_method: OnMetho
             continue
         if outcome is not None:
             return outcome
+        if flower.status(record) == STOPPED:  # `--stop` or `flwr stop`: the run ends here, until it is run again
+            return {"status": "stopped", "message": f"Flower run {record} was stopped"}
         quiet += 1  # the log broke off: this command's link, the SuperLink, or the ServerApp's machine went down
         if quiet >= ATTEMPTS:
             raise UserError(f"{ATTEMPTS} Flower runs in a row ended without a word from the ServerApp (last: run "
