@@ -140,7 +140,7 @@ class Flower:
                         "(docs/deployment.md)")
 
     def status(self, run: int) -> str | None:
-        """The Flower run's status (``running``, ``finished:stopped``, ...); ``None`` where the SuperLink does not say."""
+        """The Flower run's status (``running``, ``finished:stopped``, ...); ``None`` if the SuperLink won't say."""
         done = self.command("ls", self.federation, "--run-id", str(run), "--format", "json", timeout=60.0)
         with contextlib.suppress(ValueError, KeyError, IndexError, TypeError):
             return str(json.loads(done.stdout[done.stdout.index("{"):])["runs"][0]["status"])
