@@ -1,7 +1,7 @@
 """Options of Flow and FedAvgFT (Flow §3, §5, App. B).
 
 The recipe's ``flow:`` section sets these for both methods; an entry may override them
-(``{name: flow, gamma: 0}`` is the ablation without the regulariser, §5.3).
+(``{name: flow, gamma: 0}`` is the ablation without the regulariser, §5.2).
 """
 
 from __future__ import annotations
