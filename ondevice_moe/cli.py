@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import errno
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Literal, NoReturn
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 from rich.measure import Measurement
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -19,6 +19,7 @@ from ondevice_moe.destination import check_file_destination, check_folder_destin
 from ondevice_moe.distribution import BUNDLED_RECIPES, VERSION
 from ondevice_moe.errors import UserError
 from ondevice_moe.launch import bundled_recipe, find_recipe, set_run_environment
+from ondevice_moe.safe_console import SafeConsole
 from ondevice_moe.tracking.progress import ProgressLines
 
 if TYPE_CHECKING:
@@ -35,9 +36,10 @@ app.add_typer(recipes_app, name="recipes")
 methods_app = typer.Typer(help="Methods: built in, from installed packages, or a recipe's plug-in files.",
                           no_args_is_help=True)
 app.add_typer(methods_app, name="methods")
-console = Console()
+console = SafeConsole()
 
 MAX_USER_COLUMNS = 5
+MAX_INSPECT_BYTES = 256 * 2**10  # inspect colours every token: a page of a book, not the book
 Device = Literal["auto", "cpu", "cuda"]
 Suite = Literal["lm", "glue"]
 DEVICE_HELP = "Where the model runs (recipe key model.device): auto picks CUDA when present."
@@ -195,6 +197,13 @@ def evaluate(
     except UserError as error:
         _fail(error)
     _print_summary(summary, traffic=False)
+    _note_still_training(run, summary.get("still_training", []))
+
+
+def _note_still_training(run: Path, methods: list[str]) -> None:
+    if methods:
+        console.print(f"[bold yellow]note:[/] a run is still training in {escape(str(run))}: "
+                      f"{escape(', '.join(methods))} unfinished and not scored; eval again once it is done")
 
 
 def _score_file(run: Path, data: Path, out: Path | None, device: str | None, text_columns: list[str],
@@ -220,6 +229,7 @@ def _score_file(run: Path, data: Path, out: Path | None, device: str | None, tex
                       f"{sum(values) / len(values):.2f}")
     _print_table(table)
     console.print(f"wrote {scores.written}")
+    _note_still_training(run, scores.still_training)
 
 
 @app.command()
@@ -394,6 +404,9 @@ def inspect_routing(
             source = f"file {file}"
             if file.exists() and not file.is_file():  # a FIFO or device would block the read
                 raise UserError(f"--file {file} is not a regular file", "pass a readable UTF-8 text file")
+            if file.is_file() and file.stat().st_size > MAX_INSPECT_BYTES:
+                raise UserError(f"--file {file} is {file.stat().st_size / 2**20:.1f} MiB; a routing page shows at most "
+                                f"{MAX_INSPECT_BYTES // 2**10} KiB of text", "pass a passage of it")
             try:
                 text = file.read_text(encoding="utf-8")
             except (OSError, UnicodeDecodeError) as error:
@@ -620,12 +633,32 @@ def _group_devices(devices: tuple[DevicePlan, ...]) -> list[tuple[str, DevicePla
 
 
 def _fail(error: UserError) -> NoReturn:
+    _show(error)
+    raise typer.Exit(code=error.exit_code)
+
+
+def _show(error: UserError) -> None:
     console.print(f"[bold red]error:[/] {escape(error.problem)}")
     if error.fix:
         console.print(f"[bold]fix:[/] {escape(error.fix)}")
-    raise typer.Exit(code=2)
+
+
+FULL = {errno.ENOSPC: "no space is left", errno.EDQUOT: "the disk quota is used up",
+        errno.EFBIG: "the file grew too big"}  # a write that failed for want of room
 
 
 def main() -> None:
+    """The CLI; a disk that fills up or refuses a write mid-command ends in one message, not a traceback
+    (what was written before stays: every file is written whole or not at all)."""
     set_run_environment()
-    app()
+    try:
+        app()
+    except OSError as error:
+        if error.errno not in (*FULL, errno.EROFS, errno.EACCES, errno.EPERM):
+            raise
+        where = f" for {error.filename}" if error.filename else ""
+        why = FULL.get(error.errno) or f"the write was refused ({error.strerror})"
+        problem = UserError(f"{why}{where}", "free some space or choose a place you can write, then run the same "
+                            "command again: what was finished is kept")
+        _show(problem)
+        raise SystemExit(problem.exit_code) from None

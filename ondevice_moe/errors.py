@@ -8,7 +8,10 @@ from __future__ import annotations
 
 
 class UserError(Exception):
-    """A problem in the user's input (recipe, files, data) with a suggested fix."""
+    """A problem in the user's input (recipe, files, data) with a suggested fix; the CLI exits with
+    ``exit_code``."""
+
+    exit_code = 2
 
     def __init__(self, problem: str, fix: str | None = None) -> None:
         self.problem = problem

@@ -41,7 +41,7 @@ from ondevice_moe.metrics import lower_is_better, task_score
 from ondevice_moe.models.gguf_cache import file_sha256
 from ondevice_moe.recipe import Recipe
 from ondevice_moe.run_model import trained_model
-from ondevice_moe.runner import finished_jobs
+from ondevice_moe.runner import finished_jobs, still_training
 from ondevice_moe.training import predict
 
 EVAL_FILE = "eval.json"
@@ -57,6 +57,7 @@ class FileScores:
     size: dict[str, int]
     scores: dict[str, dict[str, dict[str, float | None]]]
     written: Path
+    still_training: list[str]  # methods a live run is training still: not scored
 
 
 def score_file(run_dir: Path, data: Path, out: Path | None = None, device: str | None = None,
@@ -87,7 +88,10 @@ def score_file(run_dir: Path, data: Path, out: Path | None = None, device: str |
         out.write_text(json.dumps(record, indent=2), encoding="utf-8")
     except OSError as error:
         raise UserError(f"cannot write {out} ({error.strerror or error})", "choose another --out") from None
-    return FileScores(metric, size, scores, out)
+    return FileScores(metric, size, scores, out, still_training(run_dir, recipe))
+
+
+MAX_DATA_BYTES = 256 * 2**20  # --data is read and tokenized whole: a larger file is a mistake on one machine
 
 
 def _check_data_path(data: Path) -> None:
@@ -95,6 +99,10 @@ def _check_data_path(data: Path) -> None:
         raise UserError(f"--data {data} does not exist", "pass a file (or, for text, a folder) of your own")
     if not (data.is_file() or data.is_dir()):  # a FIFO or device would block the read
         raise UserError(f"--data {data} is not a regular file or folder", "pass your data file")
+    size = data.stat().st_size if data.is_file() else sum(f.stat().st_size for f in data.rglob("*") if f.is_file())
+    if size > MAX_DATA_BYTES:
+        raise UserError(f"--data {data} holds {size / 2**20:.0f} MiB; eval reads at most {MAX_DATA_BYTES // 2**20} MiB",
+                        "score a sample of it (a few MiB of text resolve a perplexity to the second decimal)")
 
 
 def _text_blocks(job: Job, data: Path, column: str) -> torch.Tensor:

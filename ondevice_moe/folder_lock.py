@@ -49,9 +49,43 @@ def folder_lock(lock: Path, holder: dict[str, Any]) -> Iterator[None]:
         os.close(handle)  # releases the lock
 
 
+@contextlib.contextmanager
+def folder_held(folder: Path) -> Iterator[None]:
+    """Hold ``folder`` itself (an ``flock`` on the folder, so no lock file lands in it: an export folder
+    holds only what it exports) while the block runs; :class:`FolderBusy` while another process holds it."""
+    handle = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise FolderBusy({}) from None
+        yield
+    finally:
+        os.close(handle)
+
+
 def _holder(handle: int) -> dict[str, Any]:
     with contextlib.suppress(ValueError, TypeError, OSError):
         found = json.loads(os.pread(handle, 4096, 0) or b"{}")
         if isinstance(found, dict):
             return found
     return {}
+
+
+def live_holder(lock: Path) -> dict[str, Any] | None:
+    """What the live process holding ``lock`` wrote of itself (``{}`` if nothing readable), or ``None``
+    when no process holds it. Only looks: a shared lock taken and let go at once, never written."""
+    try:
+        handle = os.open(lock, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None  # no lock file (never run) or not one to read: nobody holds it through this file
+    try:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return _holder(handle)
+        fcntl.flock(handle, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(handle)
+

@@ -50,6 +50,8 @@ def find_recipe(recipe: Path) -> Path:
     if recipe.is_dir():
         raise UserError(f"recipe {recipe} is a folder, not a YAML file",
                         f"pass a .yaml file, e.g. {recipe / 'recipe.yaml'} (a run folder holds one)")
+    if not recipe.is_file():  # a FIFO, a socket or a device: reading it would block or never end
+        raise UserError(f"recipe {recipe} is not a regular file", "pass a YAML file")
     try:
         with recipe.open("rb"):
             pass

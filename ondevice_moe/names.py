@@ -36,3 +36,23 @@ def folder_name(method_name: str) -> str:
 MIXTURE_SUFFIX = "_mixture"
 """A per-user score of a method's second prediction (FedEM's π-mixture of its centres) carries this
 suffix; the report summarises it as a method ``<method>-mixture``."""
+
+
+_UNSAFE = re.compile(r"[\x00-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+_UNSAFE_BUT_NEWLINES = re.compile(r"[\x00-\x09\x0b-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def printable(text: str, keep_newlines: bool = False) -> str:
+    """``text`` as the toolkit shows it: every control character (terminal ANSI and OSC sequences begin
+    with one: a name could retitle the window, hide text, or forge a line) and every bidirectional
+    override shown as its escape (``\\x1b``), never sent as itself."""
+    pattern = _UNSAFE_BUT_NEWLINES if keep_newlines else _UNSAFE
+    return pattern.sub(lambda found: found.group().encode("unicode_escape").decode("ascii"), text)
+
+
+def markdown_cell(text: str) -> str:
+    """``text`` as one cell of a Markdown table, or part of one line of Markdown: on one line,
+    :func:`printable`, with HTML's ``&``, ``<`` and ``>`` as entities and ``|`` escaped, so a user's
+    name cannot end a cell, add a row, or bring markup into a report or a model card."""
+    return printable(" ".join(text.split("\n"))).replace("&", "&amp;").replace("<", "&lt;").replace(
+        ">", "&gt;").replace("|", "\\|")

@@ -77,6 +77,11 @@ class ModelSection(_Section):
                          "a hub id such as 'openai-community/gpt2', or a local folder")
 
 
+MAX_DEVICES = 10_000  # devices (users, clients) of one recipe: more is a typo, and would exhaust memory first
+MAX_BATCH = 65_536
+MAX_TOKENS = 10**10  # a split's token budget
+
+
 class SourceSection(_Section):
     """One data source; the options a source does not use are ignored by it."""
 
@@ -114,9 +119,9 @@ class UserSection(_Section):
 
     name: str
     sources: list[SourceSection] = Field(min_length=1)
-    train_tokens: int | None = Field(None, ge=1)
-    valid_tokens: int | None = Field(None, ge=1)
-    test_tokens: int | None = Field(None, ge=1)
+    train_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
+    valid_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
+    test_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
 
     @model_validator(mode="before")
     @classmethod
@@ -143,14 +148,14 @@ class DataSection(_Section):
     valid``) is then scored on blocks it has seen. FedSoft's and IFCA's centre-by-source table stays on
     each source's own test blocks."""
 
-    users: list[UserSection] = Field(min_length=1)
-    clients: int | None = Field(None, ge=1)
-    context_length: int = Field(128, ge=8)
-    batch_size: int = Field(64, ge=1)
-    eval_batch_size: int = Field(16, ge=1)
-    train_tokens: int = Field(1_000_000, ge=1)
-    valid_tokens: int = Field(200_000, ge=1)
-    test_tokens: int = Field(200_000, ge=1)
+    users: list[UserSection] = Field(min_length=1, max_length=MAX_DEVICES)
+    clients: int | None = Field(None, ge=1, le=MAX_DEVICES)
+    context_length: int = Field(128, ge=8, le=131_072)
+    batch_size: int = Field(64, ge=1, le=MAX_BATCH)
+    eval_batch_size: int = Field(16, ge=1, le=MAX_BATCH)
+    train_tokens: int = Field(1_000_000, ge=1, le=MAX_TOKENS)
+    valid_tokens: int = Field(200_000, ge=1, le=MAX_TOKENS)
+    test_tokens: int = Field(200_000, ge=1, le=MAX_TOKENS)
     max_eval_blocks: int | None = Field(None, ge=1)
     router_validation: Literal["own", "union"] = "own"
     eval_split: Literal["test", "valid"] = "test"
@@ -225,13 +230,13 @@ class TaskSection(_Section):
     """
 
     name: str
-    clients: int = Field(8, ge=1)
+    clients: int = Field(8, ge=1, le=MAX_DEVICES)
     dirichlet_alpha: float = Field(1.0, gt=0)
     max_train_examples: int | None = Field(None, ge=1)
     max_test_examples: int | None = Field(None, ge=1)
-    max_length: int = Field(128, ge=4)
-    batch_size: int = Field(32, ge=1)
-    eval_batch_size: int = Field(64, ge=1)
+    max_length: int = Field(128, ge=4, le=131_072)
+    batch_size: int = Field(32, ge=1, le=MAX_BATCH)
+    eval_batch_size: int = Field(64, ge=1, le=MAX_BATCH)
     path: str | None = None
     files: list[str] | None = Field(None, min_length=1)
     text_columns: list[str] = Field(default_factory=lambda: ["text"], min_length=1, max_length=2)
@@ -328,22 +333,33 @@ class TaskSection(_Section):
         return user_task(self.name, self.labels, file, self.metric)
 
 
-FaultKind = Literal["crash", "nan", "wrong-shape", "slow"]
+FaultKind = Literal["crash", "nan", "wrong-shape", "slow", "sign-flip", "constant", "noise", "stale",
+                    "inflated-count", "label-flip"]
+LYING_FAULTS = ("sign-flip", "constant", "noise", "stale", "inflated-count", "label-flip")
 
 
 class FaultSection(_Section):
-    """A simulated unreliable device, for robustness studies.
+    """A simulated unreliable or lying device, for robustness studies (:mod:`ondevice_moe.federation.faults`).
 
-    ``crash``: the device raises; ``nan``: it uploads non-finite values;
-    ``wrong-shape``: it uploads a tensor of the wrong shape; ``slow``: it
-    sleeps ``delay_s`` seconds before replying (past ``reply_timeout_s`` it is
-    dropped). ``rounds``: ``all`` or a list of rounds (1-based).
+    Unreliable: ``crash``: the device raises; ``nan``: it uploads non-finite values;
+    ``wrong-shape``: it uploads a tensor of the wrong shape; ``slow``: it sleeps ``delay_s`` seconds
+    before replying (past ``reply_timeout_s`` it is dropped). Byzantine (it trains, then lies):
+    ``sign-flip``: it sends the model it received moved ``scale`` times its update the other way;
+    ``constant``: every value it sends is ``value``; ``noise``: Gaussian noise of std ``std`` added to
+    what it sends; ``stale``: it sends, every round, what it sent in the first round the fault was
+    active; ``inflated-count``: it claims ``examples`` training examples; ``label-flip``: it trains on
+    its data with every class ``c`` read as ``C − 1 − c`` (a classification task's). ``rounds``: ``all``
+    or a list of rounds (1-based).
     """
 
     device: int = Field(ge=0)
     kind: FaultKind
     rounds: Literal["all"] | list[int] = "all"
     delay_s: float = Field(30.0, gt=0)
+    scale: float = Field(1.0, gt=0, le=1e6, allow_inf_nan=False)
+    value: float = Field(100.0, allow_inf_nan=False)
+    std: float = Field(1.0, gt=0, le=1e6, allow_inf_nan=False)
+    examples: int = Field(1_000_000_000, ge=1, le=2**31 - 1)
 
     def active(self, server_round: int) -> bool:
         return self.rounds == "all" or server_round in self.rounds
@@ -400,9 +416,9 @@ class FederationSection(_Section):
     at least ``min_clients`` of them (the others join from the round after they connect).
     """
 
-    rounds: int = Field(20, ge=1)
-    local_iterations: int = Field(10, ge=1)
-    local_epochs: int | None = Field(None, ge=1)
+    rounds: int = Field(20, ge=1, le=1_000_000)
+    local_iterations: int = Field(10, ge=1, le=1_000_000)
+    local_epochs: int | None = Field(None, ge=1, le=10_000)
     weighting: Literal["uniform", "num_examples"] = "uniform"
     cpus_per_client: float = Field(2.0, ge=0.1)
     gpus_per_client: float = Field(0.0, ge=0)
@@ -437,9 +453,9 @@ class FederationSection(_Section):
             raise ValueError(f"secure_aggregation: secaggplus quantizes uploads into its own integer ring "
                              f"(secaggplus.quantization_range), so transport {self.transport} does not apply; "
                              "set transport: fp32")
-        corrupting = sorted({f.kind for f in self.faults} & {"nan", "wrong-shape"})
+        corrupting = sorted({f.kind for f in self.faults} & {"nan", "wrong-shape", *LYING_FAULTS})
         if corrupting:
-            raise ValueError(f"faults {corrupting} corrupt one device's upload, which the server cannot see, "
+            raise ValueError(f"faults {corrupting} corrupt or forge one device's upload, which the server cannot see, "
                              "check or drop under secure_aggregation: secaggplus (only the masked sum); "
                              "use crash or slow faults, or secure_aggregation: none")
         return self
@@ -577,6 +593,13 @@ class Recipe(_Section):
             valid = [name for name, spec in METHODS.items() if kind in spec.tasks]
             raise ValueError(f"methods {wrong} do not run on a {kind} recipe; use {', '.join(valid)}")
         built = [self._method_for_validation(index) for index in range(len(self.methods))]
+        for method in built:
+            layouts = [layout for layout in method.layouts if layout is not None and layout.router.kind == "token-topk"
+                       and len(layout.experts) > 1]  # one expert needs no router
+            widest = max((len(layout.experts) for layout in layouts), default=0)
+            if layouts and layouts[0].router.top_k > widest:
+                raise ValueError(f"{method.name} routes each token to its top_k = {layouts[0].router.top_k} experts, "
+                                 f"but no device holds more than {widest}: set top_k to at most {widest}")
         problems = [problem for m in built for problem in m.procedure.recipe_problems(
             m.name, hugging_face=not small_model, language_modelling=kind == LANGUAGE, private=self.privacy.enabled)]
         if problems:
@@ -631,12 +654,28 @@ class Recipe(_Section):
             outside = sorted(r for r in ([] if fault.rounds == "all" else fault.rounds) if not 1 <= r <= rounds)
             if outside:
                 raise ValueError(f"a fault of device {fault.device} names rounds {outside}, outside 1 to {rounds}")
-        if self.federation.secure_aggregation != "none":
-            per_round = self.federation.clients_per_round or max(1, int((self.federation.fraction_train or 1)
-                                                                        * devices))
-            if per_round < 2:
-                raise ValueError(f"secure_aggregation: secaggplus masks each device's update with the others', so "
-                                 f"it needs at least 2 devices a round (this recipe has {per_round})")
+            if fault.kind == "label-flip" and (self.task is None or self.task.spec().is_regression):
+                raise ValueError(f"a label-flip fault (device {fault.device}) flips a classification task's classes; "
+                                 "this recipe has none: use another fault kind")
+        per_round = self.federation.clients_per_round or max(1, int((self.federation.fraction_train or 1) * devices))
+        if self.federation.secure_aggregation != "none" and per_round < 2:
+            raise ValueError(f"secure_aggregation: secaggplus masks each device's update with the others', so "
+                             f"it needs at least 2 devices a round (this recipe has {per_round})")
+        self._robust_rule_fits(per_round)
+
+    def _robust_rule_fits(self, per_round: int) -> None:
+        """A Byzantine-robust aggregation does something with the round's devices: Krum needs
+        ``n ≥ f + 3`` (Blanchard et al. 2017: ``n − f − 2`` neighbours), a trimmed mean cuts at least one
+        value from each end (``⌊β n⌋ ≥ 1``), at the devices a round trains."""
+        federation = self.federation
+        if federation.aggregation == "krum" and per_round < federation.byzantine + 3:
+            raise ValueError(f"aggregation: krum with byzantine: {federation.byzantine} needs at least "
+                             f"{federation.byzantine + 3} devices a round; this recipe has {per_round}: lower "
+                             "federation.byzantine or use aggregation: median")
+        if federation.aggregation == "trimmed-mean" and int(federation.trim_fraction * per_round) < 1:
+            raise ValueError(f"aggregation: trimmed-mean with trim_fraction {federation.trim_fraction} trims nothing "
+                             f"from a round of {per_round} devices: a plain mean; set trim_fraction to at least "
+                             f"{1 / per_round:.3g}")
 
     @field_validator("name")
     @classmethod
@@ -718,11 +757,17 @@ def secure_aggregation_refusal(method: Method) -> str | None:
     return None
 
 
+MAX_RECIPE_BYTES = 2**20  # a recipe is a page of settings; more is a mistake or an attack
+
+
 def load_recipe(path: str | Path, overrides: list[str] | None = None, seed: int | None = None) -> Recipe:
     """Read, override (``key.sub=value``) and validate a recipe file."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"recipe {path} does not exist", "run `ondevice-moe recipes list` to see the bundled recipes")
+    if path.stat().st_size > MAX_RECIPE_BYTES:
+        raise UserError(f"recipe {path} is {path.stat().st_size / 2**20:.1f} MiB; a recipe is at most "
+                        f"{MAX_RECIPE_BYTES // 2**20} MiB", "pass the recipe itself: data goes in the files it names")
     try:
         raw = strict_yaml.load(path.read_text(encoding="utf-8"))
     except (yaml.YAMLError, UnicodeDecodeError) as error:

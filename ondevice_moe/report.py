@@ -7,9 +7,9 @@ distribution (the union of all users' test splits).
 
 from __future__ import annotations
 
+import io
 import json
 import math
-import os
 import re
 import statistics
 from collections import Counter, defaultdict
@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from ondevice_moe.metrics import LOWER_IS_BETTER, lower_is_better
-from ondevice_moe.names import MIXTURE_SUFFIX
+from ondevice_moe.names import MIXTURE_SUFFIX, markdown_cell
+from ondevice_moe.safe_files import append_handle, write_bytes, write_text
 
 
 class CorruptLog(ValueError):
@@ -38,12 +39,14 @@ class MetricsLog:
         path.parent.mkdir(parents=True, exist_ok=True)
 
     def write(self, record: dict[str, Any]) -> None:
-        with self.path.open("a", encoding="utf-8") as handle:
+        with append_handle(self.path) as handle:  # never through a link planted in its place
             handle.write(json.dumps(record, sort_keys=True) + "\n")
 
     def read(self) -> list[dict[str, Any]]:
         if not self.path.exists():
             return []
+        if not self.path.is_file():  # a FIFO would block the reader, a folder cannot be read
+            raise CorruptLog(f"{self.path} is not a regular file")
         try:
             lines = self.path.read_text(encoding="utf-8").split("\n")
         except UnicodeDecodeError as error:
@@ -54,7 +57,7 @@ class MetricsLog:
                 continue
             try:
                 record = json.loads(line)
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, RecursionError):  # RecursionError: nested past any record's depth
                 record = None
             if not (isinstance(record, dict) and isinstance(record.get("kind"), str)
                     and isinstance(record.get("method"), str)):
@@ -90,9 +93,7 @@ class MetricsLog:
         return {r["method"] for r in self.read() if r["kind"] == "done"}
 
     def _replace(self, text: str) -> None:
-        partial = self.path.with_name(self.path.name + ".tmp")
-        partial.write_text(text, encoding="utf-8")
-        os.replace(partial, self.path)
+        write_text(self.path, text)
 
 
 def _mean_std(values: list[float]) -> tuple[float | None, float | None]:
@@ -245,8 +246,8 @@ def table_rows(summary: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
 
 def markdown_table(summary: dict[str, Any]) -> str:
     header, rows = table_rows(summary)
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    lines = ["| " + " | ".join(map(markdown_cell, header)) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(map(markdown_cell, row)) + " |" for row in rows]
     return "\n".join(lines)
 
 
@@ -277,8 +278,7 @@ def write_report(run_dir: Path, recipe_name: str, summary: dict[str, Any], plots
                  facts: Sequence[str] = ()) -> Path:
     """``summary.json`` and ``report.md``: the run's ``facts`` (seed, rounds, devices, date, versions,
     dropped updates), the results table, the method-specific sections and the plots."""
-    (run_dir / "summary.json").write_text(json.dumps(finite_json(summary), indent=2, allow_nan=False),
-                                          encoding="utf-8")
+    write_text(run_dir / "summary.json", json.dumps(finite_json(summary), indent=2, allow_nan=False))
     split = "validation" if summary.get("eval_split") == "valid" else "test"
     where = (f"Per-user columns are in distribution (each user's own {split} split); out of distribution is the "
              f"union of all users' {split} splits. Mean (std) over users."
@@ -288,13 +288,13 @@ def write_report(run_dir: Path, recipe_name: str, summary: dict[str, Any], plots
         where += (f" Out of distribution is {NOT_MEASURED} where the devices ran on Flower's deployment engine: "
                   "each device holds only its own data (docs/deployment.md).")
     caption = f"{score_title(summary)}. {where}"
-    lines = [f"# {recipe_name}", "", *(f"- {fact}" for fact in facts), *([""] if facts else []),
+    lines = [f"# {recipe_name}", "", *(f"- {markdown_cell(fact)}" for fact in facts), *([""] if facts else []),
              caption, "", markdown_table(summary), "", *_mixture_note(summary), *_centres_section(summary),
              *_personalisation_section(summary), *_privacy_section(summary), *_drops_section(summary),
              *_nodes_section(summary), *_overhead_section(summary)]
     lines += [f"![{p.stem}](plots/{p.name})" for p in plots]
     path = run_dir / "report.md"
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    write_text(path, "\n".join(lines) + "\n")
     return path
 
 
@@ -418,7 +418,8 @@ def _overhead_section(summary: dict[str, Any]) -> list[str]:
 
 def _nodes_section(summary: dict[str, Any]) -> list[str]:
     """Nodes the server refused, and rounds after which a run on real devices continued."""
-    refused = [f"| {name} | {reason} |" for name, m in summary["methods"].items() for reason in m.get("refused", [])]
+    refused = [f"| {markdown_cell(name)} | {markdown_cell(reason)} |" for name, m in summary["methods"].items()
+               for reason in m.get("refused", [])]
     continued = [f"{name}: continued after round {', '.join(str(r) for r in m['continued_after'])} (a crash or a "
                  "stop in between; the rounds after it were sent again)"
                  for name, m in summary["methods"].items() if m.get("continued_after")]
@@ -435,7 +436,7 @@ def _nodes_section(summary: dict[str, Any]) -> list[str]:
 
 def _drops_section(summary: dict[str, Any]) -> list[str]:
     """A table of dropped devices per method, when any device was dropped."""
-    rows = [f"| {name} | {user} | {count} |" for name, m in summary["methods"].items()
+    rows = [f"| {markdown_cell(name)} | {markdown_cell(user)} | {count} |" for name, m in summary["methods"].items()
             for user, count in m.get("dropped", {}).items()]
     if not rows:
         return []
@@ -443,9 +444,14 @@ def _drops_section(summary: dict[str, Any]) -> list[str]:
             "Rounds in which a device was left out: it raised, did not reply within `federation.reply_timeout_s`, "
             "or sent an update the server rejected (reasons: `kind: drop` records in metrics.jsonl).", "",
             "| method | device of user | rounds dropped |", "|---|---|---|", *rows, "",
-            *(f"{name}: no final figures for {', '.join(m['not_evaluated'])} (the device was lost before the final "
-              f"evaluation; the others' mean is over the devices that answered)."
+            *(_not_evaluated_line(name, m["not_evaluated"])
               for name, m in summary["methods"].items() if m.get("not_evaluated")), ""]
+
+
+def _not_evaluated_line(method: str, users: list[str]) -> str:
+    """One sentence naming the devices lost before a method's final evaluation."""
+    return (f"{method}: no final figures for {markdown_cell(', '.join(users))} (the device was lost before the final "
+            f"evaluation; the others' mean is over the devices that answered).")
 
 
 SCORE_KEY = re.compile(r"layer_(\d+)/expert_(.+)_score")  # a train record's mean routing weight of an expert
@@ -636,7 +642,8 @@ def integer_ticks(axis: Any) -> None:
 def save_figure(figure: Any, path: Path) -> Path:
     plt = pyplot()
     figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=110)
+    picture = io.BytesIO()
+    figure.savefig(picture, dpi=110, format="png")
     plt.close(figure)
+    write_bytes(path, picture.getvalue())
     return path

@@ -30,6 +30,7 @@ from ondevice_moe.report import (
     summarize,
     write_report,
 )
+from ondevice_moe.safe_files import write_text
 from ondevice_moe.versions import versions
 
 
@@ -80,7 +81,7 @@ def prepare_run_dir(recipe: Recipe, output: Path | None, overwrite: bool = False
         run_dir.mkdir(parents=True, exist_ok=True)
         if overwrite:
             _remove_run_outputs(run_dir)
-        (run_dir / "recipe.yaml").write_text(_resolved(recipe), encoding="utf-8")
+        write_text(run_dir / "recipe.yaml", _resolved(recipe))
         log = MetricsLog(run_dir / "metrics.jsonl")
         log.repair()
         log.path.touch()

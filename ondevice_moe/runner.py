@@ -13,17 +13,18 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from ondevice_moe import strict_yaml
+from ondevice_moe import stop_request, strict_yaml
 from ondevice_moe.errors import UserError, failure_line
 from ondevice_moe.federation.job import JOB_ENV, Job
 from ondevice_moe.federation.node import folder_node
-from ondevice_moe.folder_lock import FolderBusy, folder_lock
+from ondevice_moe.folder_lock import FolderBusy, folder_lock, live_holder
 from ondevice_moe.overrides import apply_override
 from ondevice_moe.plan import UserCounts, data_counts
 from ondevice_moe.recipe import Recipe, validate_recipe
@@ -36,6 +37,7 @@ from ondevice_moe.run_folder import (
     prepare_run_dir,
     run_dir_of,
 )
+from ondevice_moe.stop_request import stopping_on_signals
 
 
 def check_inputs(recipe: Recipe) -> list[UserCounts]:
@@ -142,7 +144,14 @@ def _run_methods(recipe: Recipe, run_dir: Path, on_method: Callable[[str, int, i
         if on_method is not None:
             on_method(job.method.name, job.method_index, len(recipe.methods))
 
-    _simulate_all(pending, announce, on_round)
+    with stopping_on_signals(_say):
+        _simulate_all(pending, announce, on_round)
+        if stop_request.requested():
+            result = finish_report(recipe, run_dir)
+            raise stop_request.Interrupted(
+                f"stopped on request {_where_stopped(log, pending)}", "run the same command again to resume: "
+                "finished methods are kept, an unfinished one starts again from round 1 "
+                f"(results so far: {result.report})")
     failures = [f"method '{job.method.name}' did not finish: {_cause(log, job)}"
                 for job in pending if job.method.name not in log.finished()]  # the other methods went on
     result = finish_report(recipe, run_dir)
@@ -150,6 +159,21 @@ def _run_methods(recipe: Recipe, run_dir: Path, on_method: Callable[[str, int, i
         raise UserError("; ".join(failures), "fix the cause and run the same command again: finished methods are "
                         f"kept (their results are in {result.report})")
     return result
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _where_stopped(log: MetricsLog, pending: list[Job]) -> str:
+    """Which method a stop cut short, and after which of its rounds."""
+    records = log.read()
+    finished = log.finished()
+    for job in pending:
+        if job.method.name not in finished:
+            rounds = [r["round"] for r in records if r.get("method") == job.method.name and r["kind"] == "round"]
+            return f"during '{job.method.name}' after round {max(rounds, default=0)}"
+    return "after the last method finished"
 
 
 def _cause(log: MetricsLog, job: Job) -> str:
@@ -204,7 +228,18 @@ def evaluate_run(run_dir: Path, suite: str | None = None, device: str | None = N
                                     **values})
     names = [job.method.name for job in jobs]
     trained = [record for record in logged if record.get("method") in names and record["kind"] in TRAINING_FIGURES]
-    return summarize(trained + records, names, recipe.user_names, recipe.metric, eval_split(recipe))
+    summary = summarize(trained + records, names, recipe.user_names, recipe.metric, eval_split(recipe))
+    unfinished = still_training(run_dir, recipe)
+    return {**summary, "still_training": unfinished} if unfinished else summary
+
+
+def still_training(run_dir: Path, recipe: Recipe) -> list[str]:
+    """The methods of ``recipe`` a live ``finetune`` is still training in ``run_dir`` (none when no run
+    holds the folder): ``eval`` scores only finished methods and says which it left out."""
+    if live_holder(Path(run_dir) / LOCK) is None:
+        return []
+    finished = MetricsLog(Path(run_dir) / "metrics.jsonl").finished()
+    return [name for name in (recipe.method_name(i) for i in range(len(recipe.methods))) if name not in finished]
 
 
 def last_round(records: list[dict[str, Any]], method: str) -> int:
@@ -268,6 +303,8 @@ def _simulate_all(jobs: list[Job], announce: Callable[[Job], None],
             _simulate(jobs, announce, on_round)
         except Exception as error:
             problem = failure_line(error)
+        if stop_request.requested():
+            return  # the method cut short is discarded on the rerun
         records = log.read()
         started = {record["method"] for record in records}
         ended = {record["method"] for record in records if record["kind"] in ("done", "error")}

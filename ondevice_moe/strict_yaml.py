@@ -1,6 +1,7 @@
 """YAML as the toolkit reads recipes: safe (no tags that build objects), without aliases (a
 "billion laughs" recipe of a few lines would expand without end) and without duplicate keys
-(the second would silently win). Either is a :class:`yaml.YAMLError` naming the line."""
+(the second would silently win). Either is a :class:`yaml.YAMLError` naming the line, and so is a
+document nested too deeply to read."""
 
 from __future__ import annotations
 
@@ -33,8 +34,12 @@ class StrictLoader(yaml.SafeLoader):
 
 
 def load(text: str) -> Any:
-    """The YAML document in ``text``, read strictly."""
-    return yaml.load(text, Loader=StrictLoader)
+    """The YAML document in ``text``, read strictly; one nested past Python's recursion limit (a few
+    hundred levels) is a :class:`yaml.YAMLError`, as any other malformed document."""
+    try:
+        return yaml.load(text, Loader=StrictLoader)
+    except RecursionError:
+        raise yaml.YAMLError("it nests lists or mappings hundreds of levels deep") from None
 
 
 def read_mapping(path: Path, fix: str) -> dict[str, Any]:

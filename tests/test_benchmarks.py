@@ -256,3 +256,15 @@ def test_server_reference_benchmark_builds_both_sides_and_checks_they_agree(monk
     assert all(figures["seconds"][side] > 0 for side in server_reference.SIDES)
     assert math.isfinite(figures["time_ratio"]) and figures["memory_ratio"] >= 0
     assert "added peak memory (MiB)" in capsys.readouterr().out
+
+
+def test_byzantine_benchmark_runs_an_attack_against_a_rule_for_one_round(monkeypatch, tmp_path):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import byzantine
+
+    cells = byzantine.main(["--rounds", "1", "--fractions", "0.1", "--attacks", "inflated-count", "--rules", "mean",
+                            "--set", "federation.local_epochs=1", "--output", str(tmp_path)])
+    honest, lying = cells["no attack"]["mean"], cells["inflated-count 10 %"]["mean"]
+    assert lying["capped"] == 2 and honest["capped"] == 0  # two liars, one round: both claims bounded
+    assert lying["accuracy"] == honest["accuracy"]  # a bounded claim buys no weight: the same global
+    assert "| inflated-count 10 % |" in (tmp_path / "byzantine.md").read_text()

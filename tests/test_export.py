@@ -4,6 +4,8 @@ by default, the card, the Hub, and bad input."""
 
 import json
 import shutil
+import subprocess
+import sys
 from fnmatch import fnmatch
 from pathlib import Path
 
@@ -144,9 +146,12 @@ def test_force_removes_only_what_the_earlier_export_listed_and_follows_no_link(t
     adapter = next(name for name in listed if (tmp_path / "out" / name).is_dir())
     shutil.rmtree(tmp_path / "out" / adapter)
     (tmp_path / "out" / adapter).symlink_to(outside)  # a link where a listed adapter folder stood
+    (tmp_path / "out" / "README.md").unlink()
+    (tmp_path / "out" / "README.md").symlink_to(outside / "keep.txt")  # a planted link where the card goes
     result = _export(tiny_run, tmp_path / "out", "--force")
     assert result.exit_code == 0, result.output
-    assert (tmp_path / "out" / "notes.txt").read_text() == "mine" and (outside / "keep.txt").exists()
+    assert (tmp_path / "out" / "notes.txt").read_text() == "mine" and (outside / "keep.txt").read_text() == "keep"
+    assert not (tmp_path / "out" / "README.md").is_symlink()
 
 
 def test_force_replaces_an_earlier_export(tiny_run, tmp_path):
@@ -236,3 +241,56 @@ def test_a_tampered_export_manifest_is_one_message(tiny_run, tmp_path, change, e
     manifest.write_text(json.dumps({**json.loads(manifest.read_text()), **change}))
     with pytest.raises(UserError, match=expected):
         ondevice_moe.load_adapted(None, tmp_path / "out")
+
+
+def _holding(code: str, folder: Path) -> subprocess.Popen:
+    """Another process that holds ``folder`` (``code``: the ``with`` line) until killed."""
+    program = ("import sys, time; from pathlib import Path\n"
+               "from ondevice_moe.folder_lock import folder_held; from ondevice_moe.runner import run_lock\n"
+               f"{code}:\n    print('held', flush=True); time.sleep(60)")
+    holder = subprocess.Popen([sys.executable, "-c", program, str(folder)], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    return holder
+
+
+def test_a_second_export_into_a_folder_being_written_is_refused_not_interleaved(tiny_run, tmp_path):
+    to = tmp_path / "out"
+    to.mkdir()
+    holder = _holding("with folder_held(Path(sys.argv[1]))", to)
+    try:
+        result = _export(tiny_run, to)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert result.exit_code == 2 and "another export is writing to" in result.output
+    assert list(to.iterdir()) == []
+    assert _export(tiny_run, to).exit_code == 0  # once the other is gone
+
+
+def test_eval_while_a_run_trains_scores_the_finished_methods_and_names_the_unfinished(tiny_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+    log = run / "metrics.jsonl"
+    log.write_text("".join(line + "\n" for line in log.read_text().splitlines()
+                           if not ('"done"' in line and '"comigs-1G1S"' in line)))  # comigs still training
+    holder = _holding("with run_lock(Path(sys.argv[1]))", run)
+    try:
+        result = runner.invoke(app, ["eval", str(run)])
+    finally:
+        holder.kill()
+        holder.wait()
+    seen = " ".join(result.output.split())
+    assert result.exit_code == 0, seen
+    assert "a run is still training" in seen and "comigs-1G1S unfinished and not scored" in seen
+    assert "fedavg" in seen
+
+
+def test_files_too_big_to_score_or_show_are_refused_before_they_are_read(tiny_run, tmp_path):
+    huge = tmp_path / "huge.txt"
+    with huge.open("wb") as file:
+        file.truncate(2 * 2**30)  # 2 GiB, sparse: nothing is written, and nothing may be read
+    result = runner.invoke(app, ["eval", str(tiny_run), "--data", str(huge), "--out", str(tmp_path / "e.json")])
+    assert result.exit_code == 2 and "eval reads at most 256 MiB" in " ".join(result.output.split())
+    result = runner.invoke(app, ["inspect", str(tiny_run), "--method", "comigs-1G1S", "--user", "news", "--to",
+                                 str(tmp_path / "page.html"), "--file", str(huge)])
+    assert result.exit_code == 2 and "a routing page shows at most 256 KiB" in " ".join(result.output.split())

@@ -7,6 +7,7 @@ lying devices in tests/test_lying_devices.py."""
 from __future__ import annotations
 
 import os
+import re
 import threading
 from pathlib import Path
 
@@ -166,3 +167,152 @@ def test_a_corrupt_safetensors_model_is_one_message(tmp_path):
                                  "methods=[pretrained]", "--output", str(tmp_path / "out")])
     output = " ".join(result.output.split())
     assert result.exit_code == 2 and f"cannot load model '{folder}'" in output and "Traceback" not in output
+
+
+# -- issue 62: bounds before allocation, files that block, nesting, links -------------------------------
+
+
+@pytest.mark.parametrize(("change", "expected"), [
+    ({"data": {"clients": 10**7}}, "clients"),
+    ({"data": {"batch_size": 10**7}}, "batch_size"),
+    ({"data": {"train_tokens": 10**15}}, "train_tokens"),
+    ({"federation": {"local_iterations": 10**12}}, "local_iterations"),
+    ({"federation": {"rounds": 10**9}}, "rounds"),
+    ({"experts": {"lora_rank": 10**6}}, "lora_rank"),
+    ({"experts": {"top_k": 5}}, "top_k = 5 experts, but no device holds more than 2"),
+])
+def test_sizes_no_machine_could_hold_are_refused_before_anything_is_allocated(change, expected):
+    raw = yaml.safe_load(TINY.read_text())
+    raw.setdefault("experts", {})
+    for key, value in change.items():
+        raw[key] = {**raw[key], **value}
+    with pytest.raises(UserError, match=expected):
+        validate_recipe(raw)
+
+
+def test_a_hundred_thousand_users_and_5000_clients_over_1797_digits_are_refused():
+    raw = yaml.safe_load(TINY.read_text())
+    raw["data"]["users"] = [{"name": f"u{i}", "source": "python-code"} for i in range(100_000)]
+    with pytest.raises(UserError, match="users"):
+        validate_recipe(raw)
+    from ondevice_moe.data.small import build_small_task
+
+    with pytest.raises(UserError, match="deals 1797 images to 5000 clients"):
+        build_small_task("digits-dirichlet", 5000, 0)
+
+
+def test_a_lora_rank_wider_than_its_layer_is_one_message():
+    from ondevice_moe.experts.lora import LoRA
+
+    with pytest.raises(UserError, match="LoRA rank 128 is wider than the 32 → 96 layer"):
+        LoRA(32, 96, rank=128)
+    assert LoRA(384, 2, rank=8).rank == 8  # a classifier head carries the body's rank
+
+
+def test_a_recipe_that_is_a_fifo_a_deep_nest_or_megabytes_is_refused_at_once(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    os.mkfifo(tmp_path / "fifo.yaml")  # opening it to read would wait for a writer forever
+    code, output = _dry_run(tmp_path / "fifo.yaml")
+    assert code == 2 and "is not a regular file" in output
+    (tmp_path / "deep.yaml").write_text("a: " + "[" * 5000 + "]" * 5000 + "\n")
+    code, output = _dry_run(tmp_path / "deep.yaml")
+    assert code == 2 and "nests lists or mappings hundreds of levels deep" in output and "Traceback" not in output
+    (tmp_path / "big.yaml").write_text("name: x\n#" + "a" * 3_000_000 + "\n")
+    code, output = _dry_run(tmp_path / "big.yaml")
+    assert code == 2 and "a recipe is at most 1 MiB" in output
+    result = runner.invoke(app, ["finetune", str(TINY), "--dry-run", "--set", "data.batch_size=" + "[" * 3000])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+
+
+def test_a_run_folders_log_that_is_a_fifo_or_nests_too_deep_is_one_message(tmp_path):
+    from ondevice_moe.report import CorruptLog, MetricsLog
+
+    os.mkfifo(tmp_path / "metrics.jsonl")
+    with pytest.raises(CorruptLog, match="not a regular file"):
+        MetricsLog(tmp_path / "metrics.jsonl").read()
+    deep = tmp_path / "deep"
+    deep.mkdir()
+    (deep / "metrics.jsonl").write_text('{"kind": "eval", "method": "m", "x": ' + "[" * 100_000 + "]" * 100_000
+                                        + "}\n")
+    with pytest.raises(CorruptLog, match="line 1 is not a metrics record"):
+        MetricsLog(deep / "metrics.jsonl").read()
+
+
+def test_the_toolkit_never_writes_through_a_link_planted_in_a_folder_it_writes(tmp_path):
+    from ondevice_moe.report import MetricsLog
+    from ondevice_moe.safe_files import plain_folder, save_tensors, write_text
+
+    target = tmp_path / "elsewhere"
+    target.write_text("the user's own file")
+    folder = tmp_path / "run"
+    folder.mkdir()
+    for name in ("report.md", "summary.json", "checkpoint.safetensors"):
+        (folder / name).symlink_to(target)
+    write_text(folder / "report.md", "# report")
+    write_text(folder / "summary.json", "{}")
+    import torch
+
+    save_tensors(folder / "checkpoint.safetensors", {"w": torch.zeros(2)})
+    assert target.read_text() == "the user's own file"
+    assert not (folder / "report.md").is_symlink() and (folder / "report.md").read_text() == "# report"
+    (folder / "metrics.jsonl").symlink_to(target)
+    with pytest.raises(OSError):
+        MetricsLog(folder / "metrics.jsonl").write({"kind": "x", "method": "m"})
+    assert target.read_text() == "the user's own file"
+    (folder / "plots").symlink_to(tmp_path)
+    with pytest.raises(UserError, match="is a link, and the toolkit does not write through links"):
+        plain_folder(folder / "plots")
+    with pytest.raises(UserError, match="is a link"):
+        write_text(folder / "plots" / "rounds.png", "png")
+
+
+@pytest.mark.parametrize("file", ["config.json", "tokenizer_config.json"])
+def test_a_model_folder_that_asks_to_run_its_own_code_is_refused(tmp_path, saved_tiny_models, file):
+    import json
+    import shutil
+
+    from ondevice_moe.models.registry import load_base_model
+
+    folder = tmp_path / "model"
+    shutil.copytree(saved_tiny_models["tiny-llama"], folder)
+    config = json.loads((folder / file).read_text()) if (folder / file).exists() else {}
+    config["auto_map"] = {"AutoModelForCausalLM": "modeling_evil.EvilModel"}
+    (folder / file).write_text(json.dumps(config))
+    (folder / "modeling_evil.py").write_text(f"open({str(tmp_path / 'EXECUTED')!r}, 'w').close()\n")
+    with pytest.raises(UserError, match=f"asks to run its own code .*{file} maps AutoModelForCausalLM"):
+        load_base_model(str(folder))
+    assert not (tmp_path / "EXECUTED").exists()
+
+
+def test_control_sequences_in_names_and_paths_never_reach_the_terminal(tmp_path):
+    forged = tmp_path / "run\x1b]0;owned\x07\x1b[2J\u202e"
+    forged.mkdir()
+    result = runner.invoke(app, ["eval", str(forged)])
+    assert result.exit_code == 2 and "is not a run folder" in result.output
+    assert "\x1b" not in result.output and "\u202e" not in result.output
+    assert "\\x1b]0;owned" in result.output and "\\u202e" in result.output  # shown, as its escape
+
+
+def test_user_text_in_markdown_and_html_is_escaped_and_cannot_close_its_block():
+    from ondevice_moe.export.model_card import _fenced
+    from ondevice_moe.inspect.page import html_page
+    from ondevice_moe.names import markdown_cell
+
+    cell = markdown_cell("<img src=x onerror=alert(1)> | forged |\n| row |\x1b[31m")
+    assert "<" not in cell and "\n" not in cell and "\x1b" not in cell
+    assert re.search(r"(?<!\\)\|", cell) is None  # every | escaped: no cell ends, no row begins
+    block = _fenced("````\n# not a heading\n<script>", "yaml")
+    assert block.startswith("`````yaml\n") and block.endswith("\n`````\n")  # longer than any run inside it
+    page = html_page("t", ["<p>token \x1b[2J and \x08 and \u202e</p>"])
+    assert not any(ch in page for ch in "\x1b\x08\u202e") and "\\x1b[2J" in page
+
+
+def test_a_full_disk_is_one_message(tmp_path):
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "ondevice_moe", "recipes", "copy", "demo", "/dev/full",  # Linux
+                             "--force"], capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+                            timeout=120)
+    output = result.stdout + result.stderr
+    assert result.returncode == 2 and "no space is left" in output and "fix:" in output and "Traceback" not in output

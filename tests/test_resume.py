@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ondevice_moe import runner
+from ondevice_moe import folder_lock, runner
 from ondevice_moe.errors import UserError
 from ondevice_moe.recipe import load_recipe
 from ondevice_moe.report import MetricsLog
@@ -73,6 +73,52 @@ def test_killed_runs_resume_to_the_same_summary(tmp_path):
     records = MetricsLog(resumed / "metrics.jsonl").read()
     assert [r["kind"] for r in records].count("done") == 2
     assert (resumed / "checkpoints" / "fedavg" / "device_2.safetensors").exists()
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_the_run_after_the_round_in_progress_and_says_how_to_resume(tmp_path):
+    raw = yaml.safe_load(TINY.read_text())
+    raw["methods"], raw["federation"]["rounds"] = ["pretrained", "fedavg"], 1000  # far more than it will get to
+    recipe = tmp_path / "long.yaml"
+    recipe.write_text(yaml.safe_dump(raw))
+    output = tmp_path / "run"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "FLWR_TELEMETRY_ENABLED": "0", "COLUMNS": "300"}
+    process = subprocess.Popen([str(CLI), "finetune", str(recipe), "--output", str(output)], cwd=ROOT, env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    rounds = []
+    while len(rounds) < 2 and process.poll() is None:
+        time.sleep(0.1)
+        if (output / "metrics.jsonl").exists():
+            rounds = [r for r in MetricsLog(output / "metrics.jsonl").read() if r["kind"] == "round"]
+    os.killpg(process.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the CLI and its Ray workers
+    seen, _ = process.communicate(timeout=120)
+    seen = " ".join(seen.split())
+    assert process.returncode == 130, seen
+    records = MetricsLog(output / "metrics.jsonl").read()
+    last = max(r["round"] for r in records if r["kind"] == "round")
+    assert f"stopped on request during 'fedavg' after round {last}" in seen and last < 1000
+    assert "run the same command again to resume" in seen and "Traceback" not in seen
+    assert MetricsLog(output / "metrics.jsonl").finished() == {"pretrained"} and (output / "report.md").is_file()
+
+
+def test_a_killed_runs_children_do_not_hold_its_folder(tmp_path):
+    run_dir = tmp_path / "run"
+    holder = subprocess.Popen([sys.executable, "-c", (  # a run holding the folder, with a child that outlives it
+        "import subprocess, time; from pathlib import Path; from ondevice_moe.runner import run_lock\n"
+        f"with run_lock(Path({str(run_dir)!r})):\n"
+        "    child = subprocess.Popen(['sleep', '60'])\n    print(child.pid, flush=True); time.sleep(60)")],
+        stdout=subprocess.PIPE, text=True)
+    child = int(holder.stdout.readline())
+    try:
+        assert folder_lock.live_holder(run_dir / runner.LOCK) == {"pid": holder.pid}
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.wait()
+        assert Path(f"/proc/{child}").exists()  # the child lives on
+        assert folder_lock.live_holder(run_dir / runner.LOCK) is None  # and holds nothing
+        with runner.run_lock(run_dir):
+            pass
+    finally:
+        os.kill(child, signal.SIGKILL)
 
 
 def test_method_without_done_record_runs_again(tmp_path, monkeypatch):

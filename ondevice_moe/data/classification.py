@@ -84,12 +84,8 @@ def build_federated_task(
     each client's under one file per client; ``valid_examples`` holds that many out of the training
     split as a validation split (each client's, under one file per client)."""
     task = get_task(name)
-    if task.file is not None and task.file.client_files:
-        train, test, valid = _one_file_per_client(task, num_clients, seed, max_train_examples, max_test_examples,
-                                                  valid_examples)
-    else:
-        train, test, valid = _dirichlet_clients(task, num_clients, alpha, seed, max_train_examples,
-                                                max_test_examples, valid_examples)
+    train, test, valid = deal_task(task, num_clients, alpha, seed, max_train_examples, max_test_examples,
+                                   valid_examples)
     label_dtype = torch.float32 if task.is_regression else torch.long
     shifts = [client % clusters if clusters else 0 for client in range(num_clients)]
 
@@ -99,6 +95,15 @@ def build_federated_task(
 
     return FederatedTask(task=task, train=prepared(train), test=prepared(test),
                          valid=None if valid is None else prepared(valid))
+
+
+def deal_task(task: TaskSpec, num_clients: int, alpha: float, seed: int, max_train_examples: int | None = None,
+              max_test_examples: int | None = None, valid_examples: int | None = None) -> ClientSplits:
+    """Each client's train, test (and validation) examples, untokenized: one file per client, or a
+    Dirichlet(α) label-skew partition (what :func:`build_federated_task` tokenizes)."""
+    if task.file is not None and task.file.client_files:
+        return _one_file_per_client(task, num_clients, seed, max_train_examples, max_test_examples, valid_examples)
+    return _dirichlet_clients(task, num_clients, alpha, seed, max_train_examples, max_test_examples, valid_examples)
 
 
 def _dirichlet_clients(task: TaskSpec, num_clients: int, alpha: float, seed: int, max_train_examples: int | None,

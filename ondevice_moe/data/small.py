@@ -123,6 +123,10 @@ def build_small_task(
     return built
 
 
+DIGITS_IMAGES = 1797  # scikit-learn's 8x8 digits
+MIN_DIGITS_PER_CLIENT = 4  # a training and a test image at the least, with room for a skewed split
+
+
 def check_small_options(task: TaskSpec, clients: int | None, clusters: int | None, data_fraction: float = 1.0,
                         valid_examples: int | None = None) -> tuple[int, int | None]:
     """``(clients, clusters)`` with the paper's defaults filled in; :class:`UserError` for what the task cannot do."""
@@ -148,6 +152,10 @@ def check_small_options(task: TaskSpec, clients: int | None, clusters: int | Non
     if clients < 1 or not 0 < data_fraction <= 1:
         raise UserError(f"task '{task.name}': clients={clients}, data_fraction={data_fraction}",
                         "use at least one client and a data fraction in (0, 1]")
+    if task.name.startswith("digits") and clients > DIGITS_IMAGES // MIN_DIGITS_PER_CLIENT:
+        raise UserError(f"task '{task.name}' deals {DIGITS_IMAGES} images to {clients} clients: some would hold "
+                        f"fewer than {MIN_DIGITS_PER_CLIENT} (train and test)",
+                        f"use at most {DIGITS_IMAGES // MIN_DIGITS_PER_CLIENT} clients")
     return clients, clusters
 
 

@@ -15,6 +15,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from ondevice_moe.errors import UserError
+
 Gate = Callable[[], torch.Tensor | None]
 
 
@@ -60,6 +62,11 @@ class LoRA(nn.Module):
         super().__init__()
         if rank < 1:
             raise ValueError(f"LoRA rank must be >= 1, got {rank}")
+        widest = max(in_features, out_features)  # a narrow head (384 → 2) may carry the body's rank
+        if rank > widest:
+            raise UserError(f"LoRA rank {rank} is wider than the {in_features} → {out_features} layer it adapts: "
+                            f"its update can have rank {min(in_features, out_features)} at most, and its factors "
+                            "would hold more numbers than the layer", f"use a rank of at most {widest}")
         self.rank = rank
         self.alpha = alpha
         self.scaling = alpha / math.sqrt(rank) if rank_stabilised else alpha / rank  # CoMiGS eq. (5)

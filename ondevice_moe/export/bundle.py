@@ -10,22 +10,26 @@ always the model card ``README.md``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from ondevice_moe.destination import check_folder_destination
 from ondevice_moe.errors import UserError
 from ondevice_moe.export.base_model import base_model_of
-from ondevice_moe.export.experts import model_parts, select_parts
+from ondevice_moe.export.experts import Part, model_parts, select_parts
 from ondevice_moe.export.hub import check_online, push_to_hub
 from ondevice_moe.export.mixture_gap import GAP_BLOCKS, MixtureGap, mixture_gap
 from ondevice_moe.export.model_card import model_card, write_model_card
 from ondevice_moe.export.peft_format import WEIGHTS, check_peft_expressible, peft_adapters, write_peft_folder
 from ondevice_moe.export.toolkit_format import MANIFEST, RECIPE, TENSORS, WRITTEN_LIST, write_toolkit_export
+from ondevice_moe.folder_lock import FolderBusy, folder_held
 from ondevice_moe.names import is_plain_name
 from ondevice_moe.run_model import UserModel, open_user_model
+from ondevice_moe.safe_files import plain_folder, write_text
 
 FORMATS = ("both", "toolkit", "peft")
 WRITTEN = ("README.md", MANIFEST, RECIPE, TENSORS, "adapter_config.json", WEIGHTS)
@@ -69,8 +73,16 @@ def export_user(run_dir: Path, method: str, user: str, to: Path, experts: list[s
     if fmt == "peft":
         check_peft_expressible(selected)
     folder = Path(to)
+    plain_folder(folder)
+    with _export_lock(folder):
+        return _write_export(user_model, parts, selected, folder, fmt, force, push_to, private)
+
+
+def _write_export(user_model: UserModel, parts: dict[str, Part], selected: dict[str, Part], folder: Path, fmt: str,
+                  force: bool, push_to: str | None, private: bool) -> ExportResult:
+    """Write the export into ``folder``, which this process holds."""
+    _check_target(folder, force)  # again: another export may have written there since the first look
     _clear_previous(folder)
-    folder.mkdir(parents=True, exist_ok=True)
     if fmt != "peft":
         write_toolkit_export(user_model, parts, selected, folder)
     base = base_model_of(user_model.recipe.model.name)
@@ -84,6 +96,17 @@ def export_user(run_dir: Path, method: str, user: str, to: Path, experts: list[s
     _record_written(folder, peft_folders)
     url = push_to_hub(folder, push_to, private) if push_to is not None else None
     return ExportResult(folder, tuple(selected), peft_folders, gap, url)
+
+
+@contextlib.contextmanager
+def _export_lock(folder: Path) -> Iterator[None]:
+    """Hold ``folder`` for this export: a second export into it at the same time is refused, not interleaved."""
+    try:
+        with folder_held(folder):
+            yield
+    except FolderBusy:
+        raise UserError(f"another export is writing to {folder}", "wait for it to finish, or choose another "
+                        "--to folder") from None
 
 
 def _check_target(folder: Path, force: bool) -> None:
@@ -129,7 +152,7 @@ def _clear_previous(folder: Path) -> None:
 def _record_written(folder: Path, peft_folders: tuple[Path, ...]) -> None:
     names = [name for name in WRITTEN if (folder / name).is_file()] + [path.name for path in peft_folders
                                                                        if path != folder]
-    (folder / WRITTEN_LIST).write_text(json.dumps(names), encoding="utf-8")
+    write_text(folder / WRITTEN_LIST, json.dumps(names))
 
 
 def _gap(user_model: UserModel) -> MixtureGap | None:

@@ -12,6 +12,7 @@ are the user's model — for a mixture, why not, with the gap measured at export
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from ondevice_moe.export.base_model import BaseModel
@@ -19,7 +20,9 @@ from ondevice_moe.export.experts import Part
 from ondevice_moe.export.mixture_gap import MixtureGap
 from ondevice_moe.export.peft_format import PeftAdapter, routed_experts
 from ondevice_moe.methods import Role
+from ondevice_moe.names import markdown_cell, printable
 from ondevice_moe.run_model import UserModel
+from ondevice_moe.safe_files import write_text
 from ondevice_moe.versions import versions
 
 METRIC_NAMES = {"in": ("perplexity", "test perplexity, the user's own test split"),
@@ -72,8 +75,8 @@ def model_card(user_model: UserModel, parts: dict[str, Part], selected: dict[str
     rows = "\n".join(f"| `{p.name}` | {p.kind} | {p.role.value} | {'yes' if p.name in selected else 'no'} |"
                      for p in parts.values())
     lines = [
-        f"# {name}\n",
-        f"User **{user_model.user}**'s model of method **{method.name}** (device {user_model.device}), "
+        f"# {markdown_cell(name)}\n",
+        f"User **{markdown_cell(user_model.user)}**'s model of method **{method.name}** (device {user_model.device}), "
         f"fine-tuned with [ondevice-moe](https://pypi.org/project/ondevice-moe/) through Flower: recipe "
         f"`{recipe.name}`, {_count(recipe.federation.rounds, 'round')}, {len(recipe.user_names)} devices, "
         f"seed {recipe.seed}, base model `{base.name}` ({base.source}"
@@ -86,10 +89,18 @@ def model_card(user_model: UserModel, parts: dict[str, Part], selected: dict[str
         _loading_text(user_model, base, adapters, toolkit, name if pushed else "path/to/this/folder", pushed),
         _mixture_text(method.name, parts, gap, adapters),
         "## Recipe\n",
-        "```yaml\n" + (user_model.job.run_dir / "recipe.yaml").read_text(encoding="utf-8").rstrip() + "\n```\n",
+        _fenced((user_model.job.run_dir / "recipe.yaml").read_text(encoding="utf-8").rstrip(), "yaml"),
     ]
-    text = "\n".join(line for line in lines if line)
+    text = printable("\n".join(line for line in lines if line), keep_newlines=True)
     return ModelCard(f"---\n{card_data(user_model, base, name, metrics).to_yaml()}\n---\n\n{text}")
+
+
+def _fenced(text: str, language: str) -> str:
+    """``text`` as a Markdown code block whose fence is longer than any run of backticks in it, so the
+    text cannot close the block and bring its own Markdown or HTML into the card."""
+    longest = max((len(run) for run in re.findall(r"`+", text)), default=0)
+    fence = "`" * max(3, longest + 1)
+    return f"{fence}{language}\n{text}\n{fence}\n"
 
 
 def _privacy_note(parts: dict[str, Part], selected: dict[str, Part]) -> str:
@@ -189,7 +200,7 @@ def _gap_table(gap: MixtureGap | None, average_only: bool) -> str:
 def write_model_card(folder: Path, card) -> Path:
     """Save ``card`` as ``folder/README.md``."""
     path = folder / "README.md"
-    card.save(path)
+    write_text(path, str(card))
     return path
 
 

@@ -28,6 +28,7 @@ et al.'s α/r its default; a merged layer keeps α, its rank ``Σ r_j`` going to
 from __future__ import annotations
 
 import math
+import tempfile
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,10 +45,12 @@ from ondevice_moe.export.experts import Part
 from ondevice_moe.export.merge import expert_loras, merged_lora
 from ondevice_moe.federation.device import head_paths
 from ondevice_moe.run_model import UserModel
+from ondevice_moe.safe_files import plain_folder, save_tensors, write_bytes
 
 NOT_EXPRESSIBLE = ("router", "model")  # routers mix experts; whole-model weights are no adapter
 MERGED = "merged"
 WEIGHTS = "adapter_model.safetensors"
+CONFIG = "adapter_config.json"
 
 
 @dataclass(frozen=True)
@@ -173,8 +176,6 @@ def lora_config(user_model: UserModel, loras: dict[str, PeftLoRA], rank_stabilis
 def write_peft_folder(user_model: UserModel, parts: dict[str, Part], adapter: PeftAdapter, folder: Path,
                       base: BaseModel) -> Path:
     """Write ``adapter`` (with a classifier's head) into ``folder`` in PEFT's format."""
-    from safetensors.torch import save_file
-
     model = user_model.model
     rank_stabilised = is_rank_stabilised(model, adapter)
     loras = adapter_loras(model, adapter, rank_stabilised)
@@ -184,7 +185,10 @@ def write_peft_folder(user_model: UserModel, parts: dict[str, Part], adapter: Pe
         tensors[f"base_model.model.{target}.lora_B.weight"] = lora.lora_B
     for name, tensor in parts["head"].tensors.items() if "head" in parts else ():
         tensors[f"base_model.model.{layer_name(model, name)}"] = tensor
-    lora_config(user_model, loras, rank_stabilised, base).save_pretrained(str(folder))
-    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(folder / WEIGHTS),
-              metadata={"format": "pt"})
+    plain_folder(folder)
+    with tempfile.TemporaryDirectory() as scratch:  # PEFT writes where it is told, links and all: copy it in
+        lora_config(user_model, loras, rank_stabilised, base).save_pretrained(scratch)
+        write_bytes(folder / CONFIG, (Path(scratch) / CONFIG).read_bytes())
+    save_tensors(folder / WEIGHTS, {k: v.detach().contiguous().cpu() for k, v in tensors.items()},
+                 metadata={"format": "pt"})
     return folder

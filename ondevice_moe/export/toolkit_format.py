@@ -22,6 +22,7 @@ from ondevice_moe import strict_yaml
 from ondevice_moe.errors import UserError
 from ondevice_moe.export.experts import Part
 from ondevice_moe.run_model import UserModel
+from ondevice_moe.safe_files import save_tensors, write_text
 
 MANIFEST = "export.json"
 WRITTEN_LIST = ".ondevice-moe-written.json"  # what an export wrote, so that `export --force` removes only that
@@ -34,14 +35,11 @@ FORMAT_VERSION = 1
 def write_toolkit_export(user_model: UserModel, parts: dict[str, Part], selected: dict[str, Part],
                          folder: Path) -> None:
     """Write the selected parts, the recipe and the manifest into ``folder``."""
-    from safetensors.torch import save_file
-
     job = user_model.job
     tensors = {name: tensor.detach().contiguous().cpu() for part in selected.values()
                for name, tensor in part.tensors.items()}
-    save_file(tensors, str(folder / TENSORS), metadata={"format": "pt"})
-    (folder / RECIPE).write_text(yaml.safe_dump(user_model.recipe.model_dump(mode="json"), sort_keys=False),
-                                 encoding="utf-8")
+    save_tensors(folder / TENSORS, tensors, metadata={"format": "pt"})
+    write_text(folder / RECIPE, yaml.safe_dump(user_model.recipe.model_dump(mode="json"), sort_keys=False))
     manifest = {
         "format": FORMAT, "version": FORMAT_VERSION,
         "method": job.method.name, "method_index": job.method_index,
@@ -49,7 +47,7 @@ def write_toolkit_export(user_model: UserModel, parts: dict[str, Part], selected
         "parts": {name: {"kind": part.kind, "role": part.role.value, "exported": name in selected}
                   for name, part in parts.items()},
     }
-    (folder / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+    write_text(folder / MANIFEST, json.dumps(manifest, indent=2) + "\n")
 
 
 def read_manifest(folder: Path) -> dict:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -37,6 +37,29 @@ class Update:
 
 
 Weighting = Callable[[Update, str], float]
+
+MEDIAN_BOUND = 2.0  # where the server cannot know what a device holds: a claim counts up to this × the round's median
+
+
+def bounded_counts(updates: list[Update], held: dict[int, int] | None) -> tuple[list[Update], dict[int, int]]:
+    """The updates with each claimed example count capped: at what the device's data holds (``held``, device →
+    its training examples, where the server knows it: a task dealt from the recipe), else at
+    :data:`MEDIAN_BOUND` × the round's median claim. A claimed count is a device's word, and under
+    ``weighting: num_examples`` it is the device's weight: two devices claiming a billion examples each
+    would own the average. Returns the updates and ``{device: its claim}`` for the capped ones. An honest
+    device never claims more than it holds, so an honest round is unchanged."""
+    if not updates:
+        return updates, {}
+    median = statistics.median(update.num_examples for update in updates)
+    capped: dict[int, int] = {}
+    bounded = []
+    for update in updates:
+        bound = held[update.device] if held is not None and update.device in held else int(MEDIAN_BOUND * median)
+        if update.num_examples > bound:
+            capped[update.device] = update.num_examples
+            update = replace(update, num_examples=max(bound, 1))
+        bounded.append(update)
+    return bounded, capped
 
 
 def example_weighting(kind: str) -> Weighting:

@@ -172,7 +172,7 @@ def train(msg: Message, context: Context) -> Message:
     # run gives the same numbers whichever worker process serves the device.
     seed_dropout(zlib.crc32(f"{seed}:{server_round}".encode()))
     dev.start_round(trainer.model)
-    metrics, examples = dev.run_local_procedure(job, device, trainer, seed)
+    metrics, examples = dev.run_local_procedure(job, device, trainer, seed, server_round)
     dev.save_private_state(job, device, trainer, context.state, server_round)
     if job.on_device:
         snapshots.keep(job, context, run_key(msg, context), server_round)

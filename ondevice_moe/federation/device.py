@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping, MutableMapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -23,6 +23,7 @@ from ondevice_moe.data.sources import device_source_kind
 from ondevice_moe.data.splits import SourceSpec, UserData, build_user_data
 from ondevice_moe.errors import UserError
 from ondevice_moe.federation import device_state
+from ondevice_moe.federation.faults import flips_labels
 from ondevice_moe.federation.job import Job
 from ondevice_moe.federation.node import FIX
 from ondevice_moe.layout import attach_layout, hermes_routers
@@ -32,6 +33,7 @@ from ondevice_moe.models.checkpointing import enable_activation_checkpointing
 from ondevice_moe.names import folder_name
 from ondevice_moe.recipe import SourceSection
 from ondevice_moe.routing import client_mixture
+from ondevice_moe.safe_files import save_tensors, write_text
 from ondevice_moe.sampling import batch_sampler, epoch_sampler
 from ondevice_moe.training import DeviceTrainer, trainable_state
 
@@ -98,6 +100,30 @@ def federated_task(job: Job) -> FederatedTask | SmallFederatedTask:
             _TASKS[key] = build_small_task(task.name, task.clients, job.recipe.split_seed, task.clusters,
                                            task.dirichlet_alpha, task.data_fraction, task.valid_examples)
     return _TASKS[key]
+
+
+_SIZES: dict[str, list[int]] = {}
+
+
+def training_sizes(job: Job) -> list[int] | None:
+    """How many training examples each client holds, where the server can know it without asking the
+    clients: a task dealt from the recipe (a small task, or a text task's label partition, read but not
+    tokenized). ``None`` for the users' own text, which only their devices hold."""
+    task = job.recipe.task
+    if task is None:
+        return None
+    key = task.model_dump_json() + str(job.recipe.split_seed)
+    if key not in _SIZES:
+        spec = task.spec()
+        if spec.is_text:
+            from ondevice_moe.data.classification import deal_task
+
+            train = deal_task(spec, task.clients, task.dirichlet_alpha, job.recipe.split_seed,
+                              task.max_train_examples, task.max_test_examples, task.valid_examples)[0]
+            _SIZES[key] = [len(examples.labels) for examples in train]
+        else:
+            _SIZES[key] = [len(examples) for examples in federated_task(job).train]
+    return _SIZES[key]
 
 
 def scored_examples(job: Job, device: int) -> ClientExamples | TensorExamples:
@@ -431,11 +457,8 @@ def checkpoint_path(job: Job, device: int):
 
 def save_checkpoint(job: Job, device: int, model: nn.Module) -> None:
     """Write everything the device learned (shared and private) after the last round."""
-    from safetensors.torch import save_file
-
     path = checkpoint_path(job, device)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_file({name: tensor.contiguous() for name, tensor in trainable_state(model).items()}, str(path))
+    save_tensors(path, {name: tensor.contiguous() for name, tensor in trainable_state(model).items()})
 
 
 def record_device_finished(job: Job, device: int) -> None:
@@ -447,9 +470,8 @@ def record_device_finished(job: Job, device: int) -> None:
     from ondevice_moe.report import MetricsLog
 
     folder = job.run_dir
-    (folder / "recipe.yaml").write_text(yaml.safe_dump(job.recipe.model_dump(mode="json"), sort_keys=False),
-                                        encoding="utf-8")
-    (folder / NODE_FILE).write_text(job.node.to_json(), encoding="utf-8")
+    write_text(folder / "recipe.yaml", yaml.safe_dump(job.recipe.model_dump(mode="json"), sort_keys=False))
+    write_text(folder / NODE_FILE, job.node.to_json())
     log = MetricsLog(folder / "metrics.jsonl")
     log.discard(job.method.name)
     log.write({"method": job.method.name, "kind": "done", "device": device})
@@ -461,11 +483,8 @@ def server_checkpoint_path(job: Job):
 
 def save_server_checkpoint(job: Job, tensors: dict[str, torch.Tensor]) -> None:
     """Write what the server holds after the last round and no device does (FedSoft's centres)."""
-    from safetensors.torch import save_file
-
     path = server_checkpoint_path(job)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_file({name: tensor.detach().contiguous().cpu() for name, tensor in tensors.items()}, str(path))
+    save_tensors(path, {name: tensor.detach().contiguous().cpu() for name, tensor in tensors.items()})
 
 
 def server_models_of(job: Job) -> dict[int, dict[str, torch.Tensor]]:
@@ -522,12 +541,14 @@ def load_checkpoint(job: Job, device: int, model: nn.Module) -> None:
     model.load_state_dict(state, strict=False)
 
 
-def run_local_procedure(job: Job, device: int, trainer: DeviceTrainer, seed: int) -> tuple[dict[str, float], int]:
+def run_local_procedure(job: Job, device: int, trainer: DeviceTrainer, seed: int,
+                        server_round: int = 0) -> tuple[dict[str, float], int]:
     """Run the method's local procedure for one round; returns train metrics and the example count."""
-    return job.method.procedure.train_round(JobDevice(job, device, seed=seed), trainer)
+    return job.method.procedure.train_round(JobDevice(job, device, seed=seed, server_round=server_round), trainer)
 
 
-def train_steps(job: Job, device: int, trainer: DeviceTrainer, seed: int) -> tuple[dict[str, float], int]:
+def train_steps(job: Job, device: int, trainer: DeviceTrainer, seed: int,
+                server_round: int = 0) -> tuple[dict[str, float], int]:
     """Plain local training: a language model's ``local_iterations`` expert steps on random blocks of
     the training split, with router phases on the router split; a classifier's steps over seeded
     epochs of its examples (the trainer's iteration count runs on across rounds, and so do the epochs)."""
@@ -542,6 +563,8 @@ def train_steps(job: Job, device: int, trainer: DeviceTrainer, seed: int) -> tup
         )
         return metrics, len(train_blocks)
     examples = federated_task(job).train[device]
+    if flips_labels(job.recipe.federation.faults, device, server_round):  # a Byzantine device (recipe faults)
+        examples = replace(examples, labels=job.recipe.task.spec().num_labels - 1 - examples.labels)
     sampler, per_epoch = epoch_sampler(examples, job.recipe.task.batch_size, seed)
     metrics = trainer.train_iterations(_local_steps(job, per_epoch), sampler, sampler)
     return metrics, len(examples)
@@ -564,6 +587,7 @@ class JobDevice:
     index: int
     state: MutableMapping[str, Any] = field(default_factory=RecordDict)
     seed: int = -1
+    server_round: int = 0
 
     def __post_init__(self) -> None:
         if self.seed < 0:
@@ -627,7 +651,7 @@ class JobDevice:
         return shared_state(trainer)
 
     def train_steps(self, trainer: DeviceTrainer) -> tuple[dict[str, float], int]:
-        return train_steps(self.job, self.index, trainer, self.seed)
+        return train_steps(self.job, self.index, trainer, self.seed, self.server_round)
 
     def cluster_tests(self) -> list[Any] | None:
         raise NotImplementedError("a model is scored in a test (evaluation.TestedDevice)")

@@ -42,6 +42,7 @@ from ondevice_moe.federation.strategy import SlotStrategy
 from ondevice_moe.federation.window import IN_FLIGHT_BYTES, WindowedGrid, simulation_window
 from ondevice_moe.report import MetricsLog
 from ondevice_moe.run_folder import finish_report, prepare_run_dir
+from ondevice_moe.stop_request import Stopped
 from ondevice_moe.tracking import tracked_log
 
 app = ServerApp()
@@ -67,6 +68,8 @@ def main(grid: Grid, context: Context) -> None:
             with failure_logged(job), tracked_run_log(job) as log:
                 nodes = nodes or connect(grid, devices, job.recipe.federation.reply_timeout_s)
                 run_federation(windowed(grid, job, False), job, log, nodes)
+        except Stopped:
+            break  # the runner says where it stopped
         except Exception:  # logged; the runner reports it once the other methods have run
             continue
         finally:
@@ -151,6 +154,8 @@ def failure_logged(job: Job) -> Iterator[None]:
     ``ondevice-moe finetune --federation``) reports in one line, and raise it on."""
     try:
         yield
+    except Stopped:
+        raise  # not a failure: the user asked for it
     except Exception as error:
         message = failure_line(error)
         run_log(job).write({"method": job.method.name, "kind": "error", "message": message})

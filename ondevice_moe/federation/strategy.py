@@ -45,9 +45,10 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 from flwr.supercore import log as flwr_log
 
+from ondevice_moe import stop_request
 from ondevice_moe.errors import UserError
 from ondevice_moe.federation.accountant import PrivacyLedger
-from ondevice_moe.federation.aggregation import Update, check_update, norm_outliers
+from ondevice_moe.federation.aggregation import Update, bounded_counts, check_update, norm_outliers
 from ondevice_moe.federation.device import save_server_checkpoint
 from ondevice_moe.federation.evaluation import user_values
 from ondevice_moe.federation.handshake import FederationFailure, NodeRoster
@@ -179,7 +180,8 @@ class SlotStrategy(Strategy):
 
     def run(self, grid: Grid) -> None:
         """Every round from ``first_round`` to the last, as Flower's :meth:`Strategy.start` runs them:
-        train, aggregate, evaluate (where :meth:`evaluates` says), then keep the round."""
+        train, aggregate, evaluate (where :meth:`evaluates` says), then keep the round; a stop requested
+        meanwhile (Ctrl-C, :mod:`ondevice_moe.stop_request`) ends the run here, between rounds."""
         timeout = self.federation.reply_timeout_s
         arrays = pack_slots(self.slots)
         for server_round in range(self.first_round, self.total_rounds + 1):
@@ -191,6 +193,8 @@ class SlotStrategy(Strategy):
             self.aggregate_evaluate(server_round, replies)
             if self.keep_round is not None:
                 self.keep_round(server_round, self.slots)
+            if stop_request.requested() and server_round < self.total_rounds:
+                raise stop_request.Stopped(server_round)
 
     def record(self, fields: dict[str, Any]) -> None:
         """Write an event of this method to the run's log, naming the user of its ``device``."""
@@ -302,11 +306,25 @@ class SlotStrategy(Strategy):
                                      self.federation.update_norm_bound)
             drops.update({device: f"update rejected: {why}" for device, why in outliers.items()})
             sound = [entry for entry in sound if entry[0].device not in outliers]
+        updates, capped = bounded_counts([update for update, *_ in sound], self._held_examples())
         for update, metrics, size, wire in sound:
             bytes_up += size
             bytes_up_other += sum(t.nbytes for name, t in wire.items() if not is_expert_tensor(name))
+            if update.device in capped:  # its claim counted only as far as the bound
+                metrics["examples_counted"] = next(u.num_examples for u in updates if u.device == update.device)
             self._log_train(server_round, update.device, metrics, size)
-        return [update for update, *_ in sound], bytes_up, bytes_up_other
+        return updates, bytes_up, bytes_up_other
+
+    def _held_examples(self) -> dict[int, int] | None:
+        """Device → the training examples its data holds, where the server knows it (a task dealt from the
+        recipe; the centralized method's one device holds them all); ``None`` for the users' own text."""
+        if "held" not in self._round:
+            from ondevice_moe.federation import device as dev
+
+            sizes = dev.training_sizes(self.job)
+            self._round["held"] = None if sizes is None else (
+                {0: sum(sizes)} if self.job.method.centralized else dict(enumerate(sizes)))
+        return self._round["held"]
 
     def _held_norm(self) -> float | None:
         """The L2 norm of what the server holds and sends (``None`` before it holds anything)."""

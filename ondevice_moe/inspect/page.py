@@ -11,6 +11,7 @@ import numpy as np
 
 from ondevice_moe.inspect.capture import TokenRouting
 from ondevice_moe.inspect.rounds import DeviceBytes, ScoreGrid
+from ondevice_moe.names import printable
 from ondevice_moe.report import format_bytes
 
 STYLE = """
@@ -105,6 +106,8 @@ def bytes_table(traffic: DeviceBytes) -> str:
 
 
 def html_page(title: str, sections: list[str]) -> str:
+    """The page of ``sections`` (HTML whose user text is escaped already); every control character in
+    it, from routed text, a name or a path, is shown as its escape (``\x1b``), never carried raw."""
     body = "\n".join(sections)
-    return (f'<!doctype html>\n<html lang="en"><head><meta charset="utf-8"><title>{escape(title)}</title>'
-            f"<style>{STYLE}</style></head><body>\n{body}\n</body></html>\n")
+    return printable(f'<!doctype html>\n<html lang="en"><head><meta charset="utf-8"><title>{escape(title)}</title>'
+                     f"<style>{STYLE}</style></head><body>\n{body}\n</body></html>\n", keep_newlines=True)

@@ -31,6 +31,9 @@ class Role(str, Enum):
     PRIVATE = "private"
 
 
+MAX_RANK = 4096  # no expert's rank is wider than the widest layer of the models the toolkit runs
+
+
 class MethodOptions(BaseModel):
     """A method's options in a recipe entry; each method subclasses it.
 

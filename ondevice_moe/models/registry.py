@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from ondevice_moe.errors import UserError
+from ondevice_moe.models.custom_code import refuse_custom_code, refuse_mapped_code
 from ondevice_moe.models.devices import resolve_device
 from ondevice_moe.models.gguf_cache import cached_gguf_folder
 from ondevice_moe.models.small import SMALL_MODELS, small_model
@@ -96,6 +97,7 @@ def resolve_source(name: str) -> str | Path:
     alias = MODEL_ALIASES.get(name)
     if alias is None:
         if Path(name).expanduser().is_dir():
+            refuse_custom_code(name, Path(name).expanduser())
             return Path(name).expanduser()
         if "/" in name or name.replace("-", "").replace("_", "").isalnum():
             return name  # a hub id
@@ -202,6 +204,8 @@ def load_base_structure(
         raise UserError(f"cannot read the config of model '{name}' at {source}: {message}",
                         "on an offline machine use `smollm2-135m` or a local folder with a config.json; online, "
                         "check the hub id (and `huggingface-cli login` for gated models)") from None
+    if getattr(config, "auto_map", None):
+        refuse_mapped_code(name, f"the config of {source}", config.auto_map)
     architecture = AutoModelForCausalLM if num_labels is None else AutoModelForSequenceClassification
     with torch.device("meta"):
         model = architecture.from_config(config, dtype=getattr(torch, dtype))
@@ -272,6 +276,8 @@ def _from_pretrained(name: str, source: str | Path, dtype: str, quantization: Qu
             "on an offline machine use `smollm2-135m` or a local folder with intact weights; online, check the "
             "hub id (and `huggingface-cli login` for gated models)",
         ) from None
+    if getattr(model.config, "auto_map", None):  # a hub model (a local folder was checked before it loaded)
+        refuse_mapped_code(name, f"the config of {source}", model.config.auto_map)
     if quantization == "nf4":
         _keep_4bit_layers_differentiable(model)
     return model, tokenizer

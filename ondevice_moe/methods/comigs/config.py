@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ondevice_moe.methods.base import MethodOptions
+from ondevice_moe.methods.base import MAX_RANK, MethodOptions
 
 COMIGS_VARIANTS = ("1G1S", "2G", "2S", "1GXs")
 
@@ -18,7 +18,7 @@ class LoRASizes(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    lora_rank: int = Field(8, ge=1)
+    lora_rank: int = Field(8, ge=1, le=MAX_RANK)
     lora_alpha: float = Field(16.0, gt=0)
     top_k: int = Field(2, ge=1)
     balance_form: Literal["uniform", "generalist"] = "uniform"
@@ -85,7 +85,7 @@ class CoMiGSOptions(LoRABaselineOptions):
     router_data: Literal["valid", "train"] = "valid"
     generalist: Literal["lora", "adapter"] = "lora"
     specialist: Literal["lora", "adapter"] = "lora"
-    adapter_rank: int = Field(16, ge=1)
+    adapter_rank: int = Field(16, ge=1, le=MAX_RANK)
 
 
 class PCLOptions(LoRABaselineOptions):

@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ondevice_moe.methods.base import MethodOptions
+from ondevice_moe.methods.base import MAX_RANK, MethodOptions
 
 
 class FedSoftSizes(BaseModel):
@@ -51,7 +51,7 @@ class FedSoftSizes(BaseModel):
     estimation_interval: int = Field(2, ge=1)
     importance_floor: float = Field(1e-4, gt=0, lt=1)
     selection_size: int | None = Field(None, ge=1)
-    lora_rank: int | None = Field(None, ge=1)
+    lora_rank: int | None = Field(None, ge=1, le=MAX_RANK)
     centre_spread: float = Field(0.02, ge=0)
     fedem_block_loss: Literal["sum", "mean"] = "sum"
     importance_split: Literal["train", "valid"] = "train"

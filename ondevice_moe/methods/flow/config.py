@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ondevice_moe.methods.base import MethodOptions
+from ondevice_moe.methods.base import MAX_RANK, MethodOptions
 
 
 class FlowSizes(BaseModel):
@@ -36,7 +36,7 @@ class FlowSizes(BaseModel):
     global_epochs: int = Field(1, ge=1)
     local_fraction: float = Field(0.5, gt=0, lt=1)
     policy_hidden: int = Field(64, ge=1)
-    lora_rank: int = Field(8, ge=1)
+    lora_rank: int = Field(8, ge=1, le=MAX_RANK)
     lora_alpha: float = Field(16.0, gt=0)
     proximal_lambda: float = Field(0.1, ge=0)
     interpolation: float = Field(0.5, gt=0, lt=1)

@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ondevice_moe.methods.base import MethodOptions
+from ondevice_moe.methods.base import MAX_RANK, MethodOptions
 
 HERMES_ABLATIONS = ("w/o-A", "w/o-K", "w/o-G", "w/o-F")
 
@@ -23,9 +23,9 @@ class HermesSizes(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    lora_rank: int = Field(8, ge=1)
+    lora_rank: int = Field(8, ge=1, le=MAX_RANK)
     lora_alpha: float = Field(16.0, gt=0)
-    adapter_rank: int = Field(16, ge=1)
+    adapter_rank: int = Field(16, ge=1, le=MAX_RANK)
     prefix_length: int = Field(16, ge=1)
     top_k: int = Field(2, ge=1)
     temperature: float = Field(0.1, gt=0)

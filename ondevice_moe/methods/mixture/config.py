@@ -25,7 +25,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ondevice_moe.methods.base import MethodOptions
+from ondevice_moe.methods.base import MAX_RANK, MethodOptions
 
 
 class ExpertEntry(BaseModel):
@@ -56,10 +56,10 @@ class MixtureOptions(MethodOptions):
     routers_train: Literal["joint", "bilevel"] = "bilevel"
     router_data: Literal["valid", "train"] = "valid"
     attention_lora: Literal["shared", "private"] | None = None
-    lora_rank: int = Field(8, ge=1)
+    lora_rank: int = Field(8, ge=1, le=MAX_RANK)
     lora_alpha: float = Field(16.0, gt=0)
     rank_stabilised: bool = True
-    adapter_rank: int = Field(16, ge=1)
+    adapter_rank: int = Field(16, ge=1, le=MAX_RANK)
     prefix_length: int = Field(16, ge=1)
     top_k: int = Field(2, ge=1)
     balance_form: Literal["uniform", "generalist"] = "uniform"
