@@ -320,8 +320,8 @@ def get_mixture_model(model: nn.Module, config: MixtureConfig | Layout, *, seed:
 
     A ``token-topk`` router adds a balance term to minimise beside the task's loss
     (``ondevice_moe.layout.total_balance_loss(m)`` after each forward pass); a ``hermes``
-    router learns from ``router.after_backward()`` after each backward pass and
-    ``router.update_bias()`` after each step, for each of ``ondevice_moe.layout.hermes_routers(m)``.
+    router learns from ``after_backward()`` after each backward pass and ``after_step()`` after each
+    step, called on each of ``ondevice_moe.routing.lifecycle.round_aware(m)``.
     A model or config that does not fit is a :class:`~ondevice_moe.errors.UserError`.
     """
     if not isinstance(model, nn.Module):

@@ -642,11 +642,6 @@ def routing_sites(model: nn.Module) -> list[MixtureMLP | BlockRouter]:
     return [m for m in model.modules() if isinstance(m, MixtureMLP | BlockRouter)]
 
 
-def hermes_routers(model: nn.Module) -> list[HermesRouter]:
-    """The Hermes routers of a model (they keep gradient views, biases and usage counts)."""
-    return [m for m in model.modules() if isinstance(m, HermesRouter)]
-
-
 def total_balance_loss(model: nn.Module) -> torch.Tensor | None:
     """Mean balance term over the model's routing sites after a forward pass."""
     losses = [s.last_balance_loss for s in routing_sites(model) if s.last_balance_loss is not None]

@@ -16,10 +16,9 @@ from torch import nn
 from torch.optim.lr_scheduler import LinearLR, LRScheduler, SequentialLR
 
 from ondevice_moe.example_loss import EXAMPLE_WEIGHTS, example_loss
-from ondevice_moe.layout import hermes_routers, routing_sites, total_balance_loss
+from ondevice_moe.layout import routing_sites, total_balance_loss
 from ondevice_moe.models.devices import model_device
-from ondevice_moe.routing import client_mixture
-from ondevice_moe.routing.hermes import counting_real_tokens
+from ondevice_moe.routing.lifecycle import forward_pass, round_aware
 
 
 @dataclass(frozen=True)
@@ -106,7 +105,7 @@ class DeviceTrainer:
     def __post_init__(self) -> None:
         self.trainable = [(n, p) for n, p in self.model.named_parameters()
                           if p.requires_grad and self.method.is_trainable(n)]
-        self.hermes_routers = hermes_routers(self.model)
+        self.round_aware = round_aware(self.model)  # routers with state outside the graph (routing/lifecycle.py)
         groups = [{"params": self.expert_parameters()}]
         if self.method.procedure.routers == "joint":
             self._add_joint_routers(groups)
@@ -157,7 +156,8 @@ class DeviceTrainer:
         iteration/step ``i``; the router batches come from the validation split
         (or fresh training batches in the ``-tr`` ablation). Returns the mean ``train_loss``,
         each step's loss (``step_losses``: steps ``iteration - len + 1`` to ``iteration``), the
-        router phases' mean ``router_loss``, FLoRAL's ``pi_<c>`` and each expert's mean score per layer.
+        router phases' mean ``router_loss``, the round figures of the model's round-aware modules
+        (:meth:`~ondevice_moe.routing.lifecycle.RoundAware.round_metrics`) and each expert's mean score per layer.
         """
         losses, router_losses = [], []
         device = model_device(self.model)
@@ -175,8 +175,8 @@ class DeviceTrainer:
             "train_loss": sum(losses) / max(len(losses), 1), "step_losses": losses, "iteration": float(self.iteration)}
         if router_losses:
             metrics["router_loss"] = sum(router_losses) / len(router_losses)
-        for index, weight in enumerate(client_mixture(self.model) or []):
-            metrics[f"pi_{index}"] = weight
+        for module in self.round_aware:
+            metrics.update(module.round_metrics())
         for layer, (sums, site) in enumerate(zip(score_sums, routing_sites(self.model), strict=True)):
             for name, total in zip(site.expert_names, sums.tolist(), strict=True):
                 metrics[f"layer_{layer}/expert_{name}_score"] = total / max(iterations, 1)
@@ -203,7 +203,7 @@ class DeviceTrainer:
         try:
             if not self.model.training:  # a whole-model switch: every module then trains (no code sets one alone)
                 self.model.train()
-            with counting_real_tokens(self.hermes_routers, batch.get("attention_mask")):
+            with forward_pass(self.round_aware, batch):
                 output = self.model(**batch)
             loss = output.loss if weights is None else \
                 (example_loss(self.model, output.logits, batch["labels"]) * weights).mean()
@@ -218,16 +218,16 @@ class DeviceTrainer:
                 loss = loss + extra
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
-            for router in self.hermes_routers:
-                router.after_backward()
+            for module in self.round_aware:
+                module.after_backward()
             procedure.adjust_gradients(self)
             if self.config.grad_clip is not None:
                 params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
                 torch.nn.utils.clip_grad_norm_(params, self.config.grad_clip)
             optimizer.step()
             procedure.after_step(self)
-            for router in self.hermes_routers:
-                router.update_bias()
+            for module in self.round_aware:
+                module.after_step()
             if scheduler is not None:
                 scheduler.step()
         finally:

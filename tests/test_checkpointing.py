@@ -10,10 +10,10 @@ from flwr.app import RecordDict
 from ondevice_moe.errors import UserError
 from ondevice_moe.federation import device as dev
 from ondevice_moe.federation.job import Job
-from ondevice_moe.layout import hermes_routers
 from ondevice_moe.models.checkpointing import enable_activation_checkpointing, recording, replaying
 from ondevice_moe.models.small import small_model
 from ondevice_moe.recipe import load_recipe
+from ondevice_moe.routing.hermes import HermesRouter
 
 TINY = Path(__file__).parent / "recipes" / "tiny.yaml"
 METHODS = {
@@ -81,7 +81,8 @@ def test_hermes_routers_count_each_real_token_once_under_checkpointing(method):
     for trainer in (plain, checkpointed):
         _seeded_step(trainer, batch)
     real_tokens = int(batch["attention_mask"].sum())
-    for ours, reference in zip(hermes_routers(checkpointed.model), hermes_routers(plain.model), strict=True):
+    routers = [[m for m in t.model.modules() if isinstance(m, HermesRouter)] for t in (checkpointed, plain)]
+    for ours, reference in zip(*routers, strict=True):
         assert torch.equal(ours.usage, reference.usage)
         assert int(ours.usage.sum()) == real_tokens * ours.top_k
 

@@ -138,7 +138,7 @@ def test_the_server_averages_each_centre_by_example_count_whatever_the_mixtures(
 
     def update(device: int, values: tuple[float, float], examples: int, pi: tuple[float, float]) -> Update:
         tensors = {centre_key(s, "w"): torch.tensor([values[s]]) for s in range(2)}
-        return Update(device, tensors, examples, mixture=pi)
+        return Update(device, tensors, examples, {"mixture": {"pi": list(pi)}})
 
     slots = rule.aggregate(rule.initial_slots(), [update(0, (1.0, 10.0), 30, (0.9, 0.1)),
                                                   update(1, (3.0, 20.0), 10, (0.2, 0.8))])

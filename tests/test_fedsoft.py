@@ -34,7 +34,7 @@ TINY_FEDSOFT = Path(__file__).parent / "recipes" / "tiny-fedsoft.yaml"
 
 
 def _update(device: int, value: float, examples: int, mixture: tuple[float, ...]) -> Update:
-    return Update(device, {"w": torch.tensor([value])}, examples, mixture=mixture)
+    return Update(device, {"w": torch.tensor([value])}, examples, {"mixture": {"pi": list(mixture)}})
 
 
 # -- importance (Alg. 1 lines 5-10) ------------------------------------------------------------------------------

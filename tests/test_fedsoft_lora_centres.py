@@ -47,7 +47,7 @@ def _products(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def _aggregate(job: Job, clients, mixtures, examples):
-    updates = [Update(k, tensors, n, mixture=mixture)
+    updates = [Update(k, tensors, n, {"mixture": {"pi": list(mixture)}})
                for k, (tensors, mixture, n) in enumerate(zip(clients, mixtures, examples, strict=True))]
     return job.server_rule.aggregate(job.server_rule.initial_slots(), updates)
 
@@ -127,7 +127,7 @@ def test_a_selected_product_centre_is_the_plain_mean_of_the_chosen_clients_produ
         b[:, 1:] = 0  # rank-1 updates: three of them fit rank 3
         clients.append({"m.lora_A": torch.randn(3, 5, generator=generator), "m.lora_B": b, "head": torch.randn(2)})
     rule = CentreRule(clusters=1, selection_size=2, seed=0, lora_centres="product")
-    updates = [Update(k, c, 10, mixture=(1.0,)) for k, c in enumerate(clients)]
+    updates = [Update(k, c, 10, {"mixture": {"pi": [1.0]}}) for k, c in enumerate(clients)]
     slots = rule.aggregate(rule.initial_slots(), updates)
     factors = CentreRule(clusters=1, selection_size=2, seed=0).aggregate(rule.initial_slots(), updates)
     row = aggregation_weights(np.ones((3, 1)), np.full(3, 10.0))[0]

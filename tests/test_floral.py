@@ -163,9 +163,9 @@ def test_ensemble_mixes_whole_models_that_start_apart():
 
 def test_the_server_weighs_adaptor_c_by_pi_c_times_examples():
     first = Update(0, {"u": torch.tensor([1.0]), "a.shared_0.w": torch.tensor([2.0]),
-                       "a.shared_1.w": torch.tensor([4.0])}, 10, mixture=(0.25, 0.75))
+                       "a.shared_1.w": torch.tensor([4.0])}, 10, {"mixture": {"pi": [0.25, 0.75]}})
     second = Update(1, {"u": torch.tensor([3.0]), "a.shared_0.w": torch.tensor([6.0]),
-                        "a.shared_1.w": torch.tensor([8.0])}, 30, mixture=(0.5, 0.5))
+                        "a.shared_1.w": torch.tensor([8.0])}, 30, {"mixture": {"pi": [0.5, 0.5]}})
     merged = average([first, second], MixtureRule("num_examples").weights())
     assert merged["u"].item() == pytest.approx((10 * 1 + 30 * 3) / 40)
     assert merged["a.shared_0.w"].item() == pytest.approx((2.5 * 2 + 15 * 6) / (2.5 + 15))
@@ -174,7 +174,7 @@ def test_the_server_weighs_adaptor_c_by_pi_c_times_examples():
 
 def test_an_adaptor_no_client_weighs_keeps_its_value():
     only = Update(0, {"a.shared_0.w": torch.tensor([2.0]), "a.shared_1.w": torch.tensor([4.0])}, 10,
-                  mixture=(1.0, 0.0))
+                  {"mixture": {"pi": [1.0, 0.0]}})
     assert set(average([only], MixtureRule().weights())) == {"a.shared_0.w"}
 
 

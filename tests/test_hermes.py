@@ -5,12 +5,25 @@ from pathlib import Path
 import pytest
 import torch
 
-from ondevice_moe.federation.aggregation import Update, average, example_weighting, inverse_frequency_weighting
-from ondevice_moe.federation.device import expert_usage, shared_state, start_round
-from ondevice_moe.layout import ExpertSpec, Layout, RouterSpec, attach_layout, hermes_routers
+from ondevice_moe.federation.aggregation import Update, average, example_weighting
+from ondevice_moe.federation.device import shared_state
+from ondevice_moe.layout import ExpertSpec, Layout, RouterSpec, attach_layout
 from ondevice_moe.methods import method_for
+from ondevice_moe.methods.hermes.rule import inverse_frequency_weighting
 from ondevice_moe.models.tiny import tiny_model
+from ondevice_moe.routing.hermes import HermesRouter
+from ondevice_moe.routing.lifecycle import begin_round, routed_upload
 from ondevice_moe.training import DeviceTrainer, TrainingConfig
+
+
+def hermes_routers(model: torch.nn.Module) -> list[HermesRouter]:
+    return [module for module in model.modules() if isinstance(module, HermesRouter)]
+
+
+def uploaded(trainer: DeviceTrainer) -> tuple[set[str], dict[str, float]]:
+    """What a Hermes device sends: the names of the tensors its routers let travel, and their usage."""
+    tensors, records = routed_upload(trainer.model, shared_state(trainer))
+    return set(tensors), records["usage"]
 
 
 @pytest.fixture
@@ -41,19 +54,18 @@ def _force_single_expert(trainer: DeviceTrainer, expert: str) -> None:
 
 def test_unselected_experts_get_no_gradient_and_are_not_uploaded(hermes_trainer):
     _force_single_expert(hermes_trainer, "shared_1")  # lora, adapter, prefix = shared_0, _1, _2
-    start_round(hermes_trainer.model)
+    begin_round(hermes_trainer.model)
     before = {n: p.detach().clone() for n, p in hermes_trainer.model.named_parameters()}
     hermes_trainer.expert_step(_batch())
     after = dict(hermes_trainer.model.named_parameters())
     moved = {n for n in before if not torch.equal(before[n], after[n])}
     assert any(".adapters.shared_1." in n and "output.dense" in n for n in moved), "the selected adapter must train"
     assert not any("lora_" in n or ".prefix." in n for n in moved), "unselected experts must not move"
-    uploaded = set(shared_state(hermes_trainer))
-    assert not any("lora_" in n or ".prefix." in n for n in uploaded)
-    assert any("output.dense.adapters" in n for n in uploaded)
-    assert any(n.startswith("classifier") for n in uploaded), "the task head is always uploaded"
-    usage = expert_usage(hermes_trainer.model)
-    assert all(usage[n] == 4 * 12 for n in uploaded if "adapters" in n)
+    sent, usage = uploaded(hermes_trainer)
+    assert not any("lora_" in n or ".prefix." in n for n in sent)
+    assert any("output.dense.adapters" in n for n in sent)
+    assert any(n.startswith("classifier") for n in sent), "the task head is always uploaded"
+    assert all(usage[n] == 4 * 12 for n in sent if "adapters" in n)
 
 
 def test_each_block_uploads_its_top_k_experts_by_round_usage():
@@ -64,18 +76,18 @@ def test_each_block_uploads_its_top_k_experts_by_round_usage():
     for router in routers:  # lora, adapter, prefix = shared_0, _1, _2: every expert had some tokens
         router.usage.copy_(torch.tensor([5.0, 1.0, 3.0]))
     routers[0].usage.copy_(torch.tensor([1.0, 5.0, 3.0]))
-    uploaded = set(shared_state(trainer))
+    sent, _ = uploaded(trainer)
     blocks = {"layer.0.": {"shared_1", "shared_2"}, "layer.1.": {"shared_0", "shared_2"}}
     for block, expected in blocks.items():
         experts = {name for name in ("shared_0", "shared_1", "shared_2")
-                   if any(block in n and f".{name}" in n for n in uploaded)}
+                   if any(block in n and f".{name}" in n for n in sent)}
         assert experts == expected, (block, experts)
 
 
 def test_usage_counts_real_tokens_not_padding(hermes_trainer):
     batch = _batch()
     batch["attention_mask"][:, 9:] = 0  # right padding: 3 of 12 positions in every row
-    start_round(hermes_trainer.model)
+    begin_round(hermes_trainer.model)
     hermes_trainer.expert_step(batch)
     for router in hermes_routers(hermes_trainer.model):
         assert float(router.usage.sum()) == router.top_k * 4 * 9  # k experts per real token (eq. 6, 11)
@@ -88,8 +100,8 @@ def test_router_state_stays_private(hermes_trainer):
 
 def test_inverse_frequency_weights_match_hand_computation():
     # Two clients used expert "e" 3 and 15 times: ω = (h + 1)^(-1/2) = 1/2 and 1/4.
-    updates = [Update(0, {"e": torch.tensor([1.0]), "head": torch.tensor([1.0])}, 10, {"e": 3.0}),
-               Update(1, {"e": torch.tensor([4.0]), "head": torch.tensor([4.0])}, 30, {"e": 15.0})]
+    updates = [Update(0, {"e": torch.tensor([1.0]), "head": torch.tensor([1.0])}, 10, {"usage": {"e": 3.0}}),
+               Update(1, {"e": torch.tensor([4.0]), "head": torch.tensor([4.0])}, 30, {"usage": {"e": 15.0}})]
     weighting = inverse_frequency_weighting(0.5, 1.0, example_weighting("num_examples"))
     result = average(updates, weighting)
     expected_expert = (0.5 * 1.0 + 0.25 * 4.0) / (0.5 + 0.25)
@@ -150,8 +162,8 @@ def test_without_aggregation_balance_averages_each_expert_uniformly_over_its_upl
 
     method = build_method("hermes", method_options("hermes", {"ablation": "w/o-A"}),
                           MethodContext(3, weighting="num_examples"))
-    updates = [Update(0, {"e": torch.tensor([1.0]), "head": torch.tensor([1.0])}, 10, {"e": 3.0}),
-               Update(1, {"e": torch.tensor([4.0]), "head": torch.tensor([4.0])}, 30, {"e": 15.0}),
+    updates = [Update(0, {"e": torch.tensor([1.0]), "head": torch.tensor([1.0])}, 10, {"usage": {"e": 3.0}}),
+               Update(1, {"e": torch.tensor([4.0]), "head": torch.tensor([4.0])}, 30, {"usage": {"e": 15.0}}),
                Update(2, {"head": torch.tensor([8.0])}, 60, {})]
     result = average(updates, method.server_rule.weights())
     torch.testing.assert_close(result["e"], torch.tensor([2.5]))  # (1 + 4) / 2, not (10·1 + 30·4) / 40

@@ -161,10 +161,19 @@ def test_a_partial_upload_may_leave_names_out_but_never_add_one():
 
     reference = {"experts.shared_0.lora_A": torch.empty(2, 2, device="meta"),
                  "experts.shared_1.lora_A": torch.empty(2, 2, device="meta")}
-    used_one = Update(0, {"experts.shared_0.lora_A": torch.ones(2, 2)}, 4, {"experts.shared_0.lora_A": 3.0})
+    used_one = Update(0, {"experts.shared_0.lora_A": torch.ones(2, 2)}, 4,
+                      {"usage": {"experts.shared_0.lora_A": 3.0}})
     assert check_update(used_one, reference, partial=True) is None
     forged = Update(1, {**used_one.tensors, "router.weight": torch.ones(2, 2)}, 4)  # a private router's name
     assert "extra ['router.weight']" in check_update(forged, reference, partial=True)
-    for usage, mixture in (({"experts.shared_0.lora_A": -1.0}, ()), ({}, (0.5, 0.6)), ({}, (1.5, -0.5))):
-        lying = Update(2, used_one.tensors, 4, usage, mixture)
-        assert check_update(lying, reference, partial=True) is not None
+    from ondevice_moe.methods.floral.rule import MixtureRule
+    from ondevice_moe.methods.hermes.rule import InverseFrequencyRule
+
+    for rule, records in ((InverseFrequencyRule(), {"usage": {"experts.shared_0.lora_A": -1.0}}),
+                          (MixtureRule(), {"mixture": {"pi": [0.5, 0.6]}}),
+                          (MixtureRule(), {"mixture": {"pi": [1.5, -0.5]}})):
+        lying = Update(2, used_one.tensors, 4, records)
+        assert check_update(lying, reference, partial=True) is None  # numbers in bounds, so far
+        assert rule.check_records(lying) is not None  # but not what the method's rule reads them as
+    for records in ({"usage": {"experts.shared_0.lora_A": float("nan")}}, {f"r{i}": {} for i in range(9)}):
+        assert check_update(Update(3, used_one.tensors, 4, records), reference, partial=True) is not None

@@ -160,17 +160,19 @@ def test_comigs_with_an_adapter_generalist_holds_an_adapter_and_shares_it(tiny_m
 
 def test_hermes_trains_on_a_causal_language_model(tiny_model, tokens):
     """Hermes's LLaMA columns: the same experts and router on a decoder, trained on next-token loss."""
-    from ondevice_moe.federation.device import expert_usage, shared_state, start_round
+    from ondevice_moe.federation.device import shared_state
+    from ondevice_moe.routing.lifecycle import begin_round, routed_upload
 
     method = method_for("hermes", 2)
     model = attach_layout(tiny_model, method.layouts[0], seed=0)
     trainer = DeviceTrainer(model, method, TrainingConfig(lr=1e-2, lr_schedule="constant"))
-    start_round(model)
+    begin_round(model)
     losses = [trainer.expert_step({"input_ids": tokens, "labels": tokens}) for _ in range(4)]
     assert losses[-1] < losses[0]
-    usage = expert_usage(model)
+    tensors, records = routed_upload(model, shared_state(trainer))
+    usage = records["usage"]
     assert usage and max(usage.values()) > 0
-    uploaded = set(shared_state(trainer))
+    uploaded = set(tensors)
     assert uploaded and not any("router" in n for n in uploaded)
 
 

@@ -184,7 +184,7 @@ def test_secaggplus_refuses_relays_ranks_partial_uploads_and_one_device(method, 
 
 @pytest.mark.parametrize(("override", "message"), [
     ("federation.transport=int8", "transport int8 does not apply"),
-    ("federation.faults=[{device: 0, kind: nan}]", r"faults \['nan'\] corrupt one device's upload"),
+    ("federation.faults=[{device: 0, kind: nan}]", r"faults \['nan'\] corrupt or forge one device's upload"),
     ("federation.secaggplus.reconstruction_threshold=3", "must be less than `num_shares`"),
 ])
 def test_secaggplus_settings_are_validated(override, message):

@@ -4,9 +4,8 @@ misbehaving device from spoiling the global model.
 * CoMiGS Alg. 1 line 498: θ^G = (1/N) Σ_i θ_i^G, the plain mean of the
   devices' generalists; ``weighting="num_examples"`` gives the FedAvg
   weighting of McMahan et al. (2017) instead.
-* Hermes eq. (10)–(11): each expert of each layer is averaged over the
-  clients that uploaded it, with weights ω = (h + ε)^(−α), h being the
-  client's usage count of that expert (α = 1/2, ε = 1).
+* A method's own weights (Hermes' inverse frequencies, FLoRAL's π) come from
+  its server rule, in its folder, reading the records its devices sent.
 """
 
 from __future__ import annotations
@@ -19,21 +18,25 @@ from dataclasses import dataclass, field, replace
 import torch
 
 MAX_EXAMPLES = 2**31 - 1  # a device reporting more examples than this is lying or broken
-MIXTURE_TOLERANCE = 1e-3  # how far a reported π may sum from 1
+MAX_RECORDS = 8  # records besides the tensors and metrics: a method sends one or two
+MAX_RECORD_VALUES = 1_000_000  # numbers in all of an update's records together
+PROBABILITY_TOLERANCE = 1e-3  # how far a reported probability vector may sum from 1
+
+Record = dict[str, float | list[float]]
 
 
 @dataclass
 class Update:
-    """The shared tensors one device sent back, with its example count,
-    for routed experts their usage counts (tensor name → tokens routed), and
-    for FLoRAL the client's mixture π over its experts (for FedSoft and IFCA, its
-    weights over the server's centres)."""
+    """The shared tensors one device sent back, with its example count and the records its method's
+    procedure sent with them (record name → entries), which the strategy passes to the method's server
+    rule unread, once they are numbers in bounds (:func:`check_update`): Hermes' ``usage`` (tensor name
+    → tokens routed), FLoRAL's ``mixture`` (``pi``: the client's π over its experts), FedSoft's and
+    IFCA's ``mixture`` (its weights over the server's centres)."""
 
     device: int
     tensors: dict[str, torch.Tensor]
     num_examples: int
-    usage: dict[str, float] = field(default_factory=dict)
-    mixture: tuple[float, ...] = ()
+    records: dict[str, Record] = field(default_factory=dict)
 
 
 Weighting = Callable[[Update, str], float]
@@ -67,21 +70,11 @@ def example_weighting(kind: str) -> Weighting:
     return (lambda update, _: float(update.num_examples)) if kind == "num_examples" else (lambda _u, _n: 1.0)
 
 
-def inverse_frequency_weighting(alpha: float, epsilon: float, fallback: Weighting) -> Weighting:
-    """Hermes eq. (11) for tensors with a usage count; ``fallback`` for the rest (task heads)."""
-
-    def weight(update: Update, name: str) -> float:
-        if name in update.usage:
-            return (update.usage[name] + epsilon) ** (-alpha)
-        return fallback(update, name)
-
-    return weight
-
-
 def check_update(update: Update, reference: dict[str, torch.Tensor] | None, partial: bool = False) -> str | None:
     """Why ``update`` must be rejected, or ``None`` when it is sound.
 
-    A sound update has a positive example count, finite values and the
+    A sound update has a positive example count, records of finite numbers within bounds
+    (:func:`records_problem`; what they mean is its server rule's to check), finite values and the
     reference's names and shapes (a subset of the names when ``partial``:
     Hermes clients upload only the experts they used). No tensor may take more
     bytes than its reference (an *oversized* upload, e.g. float64 for float32).
@@ -89,12 +82,9 @@ def check_update(update: Update, reference: dict[str, torch.Tensor] | None, part
     """
     if not 0 < update.num_examples <= MAX_EXAMPLES:
         return f"device {update.device} reported {update.num_examples} training examples"
-    for name, weight in update.usage.items():
-        if not (math.isfinite(weight) and weight >= 0):
-            return f"device {update.device} reported a usage count of {weight} for {name}"
-    if update.mixture and not (all(math.isfinite(p) and p >= 0 for p in update.mixture)
-                               and abs(sum(update.mixture) - 1) <= MIXTURE_TOLERANCE):
-        return f"device {update.device} reported a mixture {list(update.mixture)[:4]} that is no probability vector"
+    problem = records_problem(update.records)
+    if problem is not None:
+        return f"device {update.device} {problem}"
     for name, tensor in update.tensors.items():
         if not torch.isfinite(tensor).all():
             return f"device {update.device} sent non-finite values in {name}"
@@ -115,6 +105,36 @@ def check_update(update: Update, reference: dict[str, torch.Tensor] | None, part
             return (f"device {update.device} sent an oversized {name} ({_nbytes(tensor)} bytes as {tensor.dtype}, "
                     f"expected {_nbytes(expected)} as {expected.dtype})")
     return None
+
+
+def records_problem(records: dict[str, Record]) -> str | None:
+    """Why an update's records cannot be passed on, or ``None``: at most :data:`MAX_RECORDS` records
+    of :data:`MAX_RECORD_VALUES` numbers in all, every one finite."""
+    if len(records) > MAX_RECORDS:
+        return f"sent {len(records)} records beside its tensors, more than {MAX_RECORDS}"
+    count = 0
+    for record, entries in records.items():
+        for key, value in entries.items():
+            values = value if isinstance(value, list) else [value]
+            count += len(values)
+            if count > MAX_RECORD_VALUES:
+                return f"sent records of more than {MAX_RECORD_VALUES:,} numbers"
+            if not all(isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) for v in values):
+                return f"reported a non-finite or non-numeric {record} entry for {key}"
+    return None
+
+
+def record_values(update: Update, record: str, key: str) -> list[float]:
+    """The numbers of entry ``key`` of ``update``'s ``record`` as a list (none when it did not send it)."""
+    value = update.records.get(record, {}).get(key, [])
+    return value if isinstance(value, list) else [value]
+
+
+def probability_problem(values: list[float] | tuple[float, ...], what: str) -> str | None:
+    """Why ``values`` (a device's ``what``) is no probability vector, or ``None``."""
+    if all(value >= 0 for value in values) and abs(sum(values) - 1) <= PROBABILITY_TOLERANCE:
+        return None
+    return f"reported a {what} {list(values)[:4]} that is no probability vector"
 
 
 def norm_outliers(updates: list[Update], held: float | None, bound: float) -> dict[int, str]:

@@ -49,6 +49,7 @@ from ondevice_moe.federation.redaction import path_free
 from ondevice_moe.federation.secure_aggregation import secure_aggregation_mod
 from ondevice_moe.federation.transport import decode, encode
 from ondevice_moe.federation.wire import pack, unpack
+from ondevice_moe.routing.lifecycle import begin_round
 
 app = ClientApp(mods=[secure_aggregation_mod, fault_mod])
 
@@ -166,12 +167,12 @@ def train(msg: Message, context: Context) -> Message:
     trainer = dev.restore_trainer(job, device, arrays if procedure.loads_received else None, context.state)
     chosen = procedure.begin_round(dev.JobDevice(job, device, context.state), trainer, arrays, server_round)
     privacy = job.recipe.privacy
-    start = dev.travelling_state(job, trainer) if privacy.enabled else {}
+    start = dev.shared_state(trainer) if privacy.enabled else {}  # where the round's update starts from
     seed = dev.device_seed(job, device)
     # Dropout draws from the global generator: seed it per device and round so a
     # run gives the same numbers whichever worker process serves the device.
     seed_dropout(zlib.crc32(f"{seed}:{server_round}".encode()))
-    dev.start_round(trainer.model)
+    begin_round(trainer.model)
     metrics, examples = dev.run_local_procedure(job, device, trainer, seed, server_round)
     dev.save_private_state(job, device, trainer, context.state, server_round)
     if job.on_device:

@@ -26,13 +26,13 @@ from ondevice_moe.federation import device_state
 from ondevice_moe.federation.faults import flips_labels
 from ondevice_moe.federation.job import Job
 from ondevice_moe.federation.node import FIX
-from ondevice_moe.layout import attach_layout, hermes_routers
+from ondevice_moe.layout import attach_layout
 from ondevice_moe.methods import Method, Role
 from ondevice_moe.models import LoadedModel, load_base_model, load_base_structure
 from ondevice_moe.models.checkpointing import enable_activation_checkpointing
 from ondevice_moe.names import folder_name
 from ondevice_moe.recipe import SourceSection
-from ondevice_moe.routing import client_mixture
+from ondevice_moe.routing.lifecycle import routed_upload
 from ondevice_moe.safe_files import save_tensors, write_text
 from ondevice_moe.sampling import batch_sampler, epoch_sampler
 from ondevice_moe.training import DeviceTrainer, trainable_state
@@ -371,43 +371,9 @@ def travels(method: Method, name: str) -> bool:
 
 
 def shared_state(trainer: DeviceTrainer) -> dict[str, torch.Tensor]:
-    """The tensors that leave the device: shared and trainable.
-
-    With ``sharing.selected_only`` (Hermes §4.3), only each block's most used
-    experts of the round travel (:func:`experts_left_home`).
-    """
-    left_home = experts_left_home(trainer.model) if trainer.method.sharing.selected_only else set()
-    return {
-        name: tensor.clone()
-        for name, tensor in trainable_state(trainer.model).items()
-        if travels(trainer.method, name) and name not in left_home
-    }
-
-
-def travelling_state(job: Job, trainer: DeviceTrainer) -> dict[str, torch.Tensor]:
-    """A copy of every tensor that may leave the device, whichever experts travel this round:
-    where the round's update starts from (recipe ``privacy``)."""
+    """Copies of the tensors that may leave the device: shared and trainable."""
     return {name: tensor.clone() for name, tensor in trainable_state(trainer.model).items()
-            if travels(job.method, name)}
-
-
-def experts_left_home(model: nn.Module) -> set[str]:
-    """Parameter names of the routed experts a device keeps this round.
-
-    Hermes §4.3: "each client uploads only the parameters of its selected
-    top-k PEFT modules". With per-token routing some token selects nearly
-    every expert in a round, so counting any selection would save nothing.
-    Per block, the router's ``top_k`` experts with the most tokens this round
-    travel (never one that no token selected); the others stay home.
-    """
-    kept: set[int] = set()
-    for router in hermes_routers(model):
-        ranked = torch.argsort(router.usage, descending=True, stable=True).tolist()
-        uploaded = {index for index in ranked[: router.top_k] if router.usage[index] > 0}
-        for index, expert in enumerate(router.experts):
-            if index not in uploaded:
-                kept.update(id(param) for param in router.expert_params.get(expert, []))
-    return {name for name, param in model.named_parameters() if id(param) in kept}
+            if travels(trainer.method, name)}
 
 
 def upload_reference(job: Job, device: int) -> dict[str, torch.Tensor]:
@@ -421,34 +387,14 @@ def upload_reference(job: Job, device: int) -> dict[str, torch.Tensor]:
 
 
 def upload(job: Job, trainer: DeviceTrainer) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
-    """What the device sends after a round: its shared tensors and the numbers the server
-    weighs them by — ``usage``: each uploaded expert tensor's usage count, when the server
-    weighs experts by usage (Hermes); ``mixture``: the client's ``π`` (FLoRAL Alg. 1 line 12);
-    then whatever the method's procedure changes (:meth:`~ondevice_moe.methods.procedure.Procedure.upload`)."""
-    tensors = shared_state(trainer)
-    records: dict[str, dict] = {}
+    """What the device sends after a round: its shared tensors (where ``sharing.selected_only``, those
+    of the experts its routers chose, with the records they send:
+    :func:`~ondevice_moe.routing.lifecycle.routed_upload`), then whatever the method's procedure
+    changes or adds (:meth:`~ondevice_moe.methods.procedure.Procedure.upload`)."""
+    tensors, records = shared_state(trainer), {}
     if job.method.sharing.selected_only:
-        records["usage"] = {name: count for name, count in expert_usage(trainer.model).items() if name in tensors}
-    mixture = client_mixture(trainer.model)
-    if mixture is not None:
-        records["mixture"] = {"pi": mixture}
+        tensors, records = routed_upload(trainer.model, tensors)
     return job.method.procedure.upload(trainer, tensors, records)
-
-
-def expert_usage(model: nn.Module) -> dict[str, float]:
-    """Tokens routed to each routed expert's tensors since the round began (Hermes ``h``)."""
-    by_id = {}
-    for router in hermes_routers(model):
-        for index, kind in enumerate(router.experts):
-            for param in router.expert_params.get(kind, []):
-                by_id[id(param)] = float(router.usage[index])
-    return {name: by_id[id(param)] for name, param in model.named_parameters() if id(param) in by_id}
-
-
-def start_round(model: nn.Module) -> None:
-    """Reset the routers' usage counts: each upload reports one round's usage."""
-    for router in hermes_routers(model):
-        router.usage.zero_()
 
 
 def checkpoint_path(job: Job, device: int):

@@ -24,7 +24,7 @@ usual. The heterogeneous pairs are the ``lora_A`` (``r × in``) and ``lora_B``
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -45,7 +45,7 @@ def _split(update: Update) -> tuple[Update, dict[str, torch.Tensor]]:
     """The update without its rank-varying matrices, and those matrices."""
     varying = {name: t for name, t in update.tensors.items() if has_device_rank(name)}
     rest = {name: t for name, t in update.tensors.items() if name not in varying}
-    return Update(update.device, rest, update.num_examples, update.usage), varying
+    return replace(update, tensors=rest), varying
 
 
 def _truncate(name: str, tensor: torch.Tensor, rank: int) -> torch.Tensor:

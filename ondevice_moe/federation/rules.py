@@ -15,13 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ondevice_moe.federation.aggregation import (
-    Update,
-    Weighting,
-    average,
-    example_weighting,
-    inverse_frequency_weighting,
-)
+from ondevice_moe.federation.aggregation import Update, Weighting, average, example_weighting
 
 Slots = dict[str, dict[str, torch.Tensor]]
 GLOBAL = "global"
@@ -68,6 +62,11 @@ class ServerRule:
     def weights(self) -> Weighting:
         return example_weighting(self.weighting)
 
+    def check_records(self, update: Update) -> str | None:
+        """Why the records ``update`` carries (numbers in bounds already) make no sense to this rule, or
+        ``None``; the strategy then drops the device's update. FedAvg reads no records."""
+        return None
+
     def final_state(self, slots: Slots) -> dict[str, torch.Tensor]:
         """What the server holds after the last round that no device's checkpoint does (FedSoft's
         centres); here nothing: every device holds the global tensors."""
@@ -78,25 +77,3 @@ class ServerRule:
         if not any(update.tensors for update in updates):
             return slots
         return {**slots, GLOBAL: {**slots[GLOBAL], **average(updates, self.weights())}}
-
-
-@dataclass(frozen=True)
-class InverseFrequencyRule(ServerRule):
-    """Hermes eq. (10)–(11): each expert is averaged over the devices that uploaded
-    it with weights ω = (h + ε)^(−α), h the device's usage count of that expert;
-    tensors without a count (task heads) follow ``weighting``."""
-
-    alpha: float = 0.5
-    epsilon: float = 1.0
-    partial_uploads: bool = True
-
-    @property
-    def needs_each_update(self) -> str:
-        if self.alpha == 0:
-            return ("Hermes without aggregation balance averages each expert over the devices that uploaded it, "
-                    "and devices upload only the experts they used")
-        return ("Hermes's inverse-frequency weights (h + ε)^(−α) differ per expert and per device and need each "
-                "device's usage counts, and devices upload only the experts they used")
-
-    def weights(self) -> Weighting:
-        return inverse_frequency_weighting(self.alpha, self.epsilon, example_weighting(self.weighting))

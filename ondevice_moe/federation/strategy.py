@@ -297,6 +297,8 @@ class SlotStrategy(Strategy):
             if not problem:
                 update, problem = decode_update(update, self._reference(device), self.federation.transport,
                                                 self.rule.partial_uploads)
+            if not problem:  # numbers in bounds: now what they mean, to the method's rule
+                problem = self.rule.check_records(update)
             if problem:
                 drops[device] = f"update rejected: {problem}"
                 continue
@@ -543,15 +545,14 @@ class SlotStrategy(Strategy):
         try:
             metrics = dict(content["metrics"])
             arrays = content["arrays"]
-            usage = dict(content["usage"]) if "usage" in content else {}
-            mixture = tuple(float(p) for p in content["mixture"]["pi"]) if "mixture" in content else ()
+            records = {key: dict(record) for key, record in content.metric_records.items() if key != "metrics"}
             examples = metrics["num-examples"]
             if isinstance(examples, bool) or not float(examples).is_integer():
                 raise ValueError(f"num-examples {examples!r} is not a whole number")
-            update = Update(device, unpack(arrays), int(examples), usage, mixture)
+            update = Update(device, unpack(arrays), int(examples), records)
         except (KeyError, TypeError, ValueError, OverflowError) as error:
             return Update(device, {}, 0), {}, 0, f"malformed reply ({type(error).__name__}: {error})"
-        size = record_bytes(arrays) + sum(content[key].count_bytes() for key in ("usage", "mixture") if key in content)
+        size = record_bytes(arrays) + sum(content[key].count_bytes() for key in records)
         metrics.pop("device", None)
         return update, metrics, size, None
 

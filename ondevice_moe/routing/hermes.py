@@ -6,7 +6,7 @@ Per token, with ``M`` experts at a layer:
   the block input;
 * ``n`` counts tokens (eq. 6 and the usage of eq. 11): positions that the
   attention mask marks as padding are routed but not counted
-  (:func:`counting_real_tokens`);
+  (:meth:`HermesRouter.forward_pass`);
 * gradient view, eq. (5): ``s_g`` = EMA over steps of each expert's gradient
   norm, normalised to sum to one across the layer's experts (the paper says
   "Norm(‖∇‖)" without the form; a sum-normalisation keeps ``s_g`` on the same
@@ -24,7 +24,7 @@ expert, no top-k, no balancing.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Literal
 
@@ -32,11 +32,12 @@ import torch
 from torch import nn
 
 from ondevice_moe.models.checkpointing import recording
+from ondevice_moe.routing.lifecycle import RoundAware
 from ondevice_moe.routing.routers import Routing, linear_gate
 from ondevice_moe.routing.topk import top_k_softmax
 
 
-class HermesRouter(nn.Module):
+class HermesRouter(RoundAware, nn.Module):
     """Routes each token of one layer over that layer's experts (e.g. lora, adapter, prefix).
 
     ``expert_params`` (set when the experts are attached) maps each expert's
@@ -118,6 +119,38 @@ class HermesRouter(nn.Module):
             norms[index] = torch.stack(grads).sum().sqrt() if grads else 0.0
         self.update_gradient_view(norms)
 
+    def begin_round(self) -> None:
+        """Usage counts restart: each upload reports one round's usage (Hermes eq. 11's ``h``)."""
+        self.usage.zero_()
+
+    @contextmanager
+    def forward_pass(self, batch: Mapping[str, torch.Tensor]) -> Iterator[None]:
+        """Count only the tokens that the batch's attention mask keeps: Hermes eq. (6) and (11)
+        count tokens, and right padding is not a token."""
+        self.token_mask = batch.get("attention_mask")
+        try:
+            yield
+        finally:
+            self.token_mask = None
+
+    def after_step(self) -> None:
+        self.update_bias()
+
+    def kept_home(self) -> set[int]:
+        """Hermes §4.3: "each client uploads only the parameters of its selected top-k PEFT modules".
+        With per-token routing some token selects nearly every expert in a round, so counting any
+        selection would save nothing: the router's ``top_k`` experts with the most tokens this round
+        travel (never one that no token selected); the others stay home."""
+        ranked = torch.argsort(self.usage, descending=True, stable=True).tolist()
+        uploaded = {index for index in ranked[: self.top_k] if self.usage[index] > 0}
+        return {id(param) for index, expert in enumerate(self.experts) if index not in uploaded
+                for param in self.expert_params.get(expert, [])}
+
+    def upload_records(self, name_of: Mapping[int, str]) -> dict[str, dict[str, float]]:
+        """``usage``: the tokens routed to each expert this round, per tensor of that expert (eq. 11's ``h``)."""
+        return {"usage": {name_of[id(param)]: float(self.usage[index]) for index, expert in enumerate(self.experts)
+                          for param in self.expert_params.get(expert, []) if id(param) in name_of}}
+
     @torch.no_grad()
     def update_bias(self) -> None:
         """Loss-free balancing, Hermes eq. (6), from the last training batch's counts."""
@@ -133,18 +166,3 @@ class HermesRouter(nn.Module):
         if total <= 0:
             return
         self.gradient_score.mul_(self.gradient_ema).add_((1 - self.gradient_ema) * gradient_norms / total)
-
-
-@contextmanager
-def counting_real_tokens(routers: Iterable[HermesRouter], attention_mask: torch.Tensor | None) -> Iterator[None]:
-    """During one forward pass, let ``routers`` count only the tokens that
-    ``attention_mask`` keeps: Hermes eq. (6) and (11) count tokens, and right
-    padding is not a token."""
-    routers = list(routers)
-    for router in routers:
-        router.token_mask = attention_mask
-    try:
-        yield
-    finally:
-        for router in routers:
-            router.token_mask = None

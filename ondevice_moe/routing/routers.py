@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ondevice_moe.routing.balance import generalist_balance_loss, switch_balance_loss
+from ondevice_moe.routing.lifecycle import RoundAware
 from ondevice_moe.routing.topk import top_k_softmax
 
 BalanceForm = Literal["uniform", "generalist"]
@@ -122,7 +123,7 @@ class TokenTopKRouter(nn.Module):
         return Routing(weights=weights.to(hidden.dtype), balance_loss=balance)
 
 
-class ClientMixtureRouter(nn.Module):
+class ClientMixtureRouter(RoundAware, nn.Module):
     """FLoRAL §5: the client's mixture ``π^k = softmax(θ^k)`` over its C experts, one
     vector for the whole device (every adapted layer, every input), ``θ^k ∈ R^C``
     private and learned with the model (Alg. 1 line 7) from ``θ = 0`` (the authors'
@@ -170,6 +171,10 @@ class ClientMixtureRouter(nn.Module):
     def gate(self, index: int) -> Callable[[], torch.Tensor]:
         """Expert ``index``'s weight ``π_index``, read at every forward pass."""
         return lambda: self.mixture()[index]
+
+    def round_metrics(self) -> dict[str, float]:
+        """``pi_<c>``: the learned mixture after the round (FLoRAL Alg. 1 line 12 sends it)."""
+        return {f"pi_{index}": float(weight) for index, weight in enumerate(self.probabilities().detach())}
 
 
 def client_mixture(model: nn.Module) -> list[float] | None:

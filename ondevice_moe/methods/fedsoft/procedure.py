@@ -37,6 +37,7 @@ from ondevice_moe.methods.fedsoft.centres import (
     split_centres,
 )
 from ondevice_moe.methods.fedsoft.prediction import CentreMixture
+from ondevice_moe.methods.fedsoft.rule import WEIGHTS_RECORD
 from ondevice_moe.methods.procedure import OnDevice, Procedure
 from ondevice_moe.names import MIXTURE_SUFFIX
 from ondevice_moe.sampling import epoch_sampler
@@ -142,7 +143,7 @@ class CentreProcedure(Procedure):
         """The device's weights over the centres travel with its model (FedEM: with every centre it trained)."""
         anchors = trainer.round_state.get(ANCHORS)
         if anchors is not None:
-            records = {**records, "mixture": {"pi": list(anchors.weights)}}
+            records = {**records, WEIGHTS_RECORD: {"pi": list(anchors.weights)}}
         return trainer.round_state.get(UPLOADS, tensors), records
 
     def upload_reference(self, tensors: Tensors) -> Tensors:

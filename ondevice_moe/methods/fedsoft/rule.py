@@ -3,7 +3,7 @@
 The server keeps ``cluster_0 … cluster_{S-1}`` and sends every centre to every
 client it asks to train (FedSoft: the proximal term of eq. (4) reads all of them;
 Alg. 1 line 4 sends them to all clients every τ rounds to estimate importance).
-Each update carries the client's weights over the centres (``Update.mixture``:
+Each update carries the client's weights over the centres (its ``mixture`` record's ``pi``:
 FedSoft's ``u_k``, IFCA's one-hot choice). Then, per centre ``s``:
 
     v_sk = u_ks n_k / Σ_k' u_k's n_k'                                   (6)
@@ -46,11 +46,17 @@ from typing import Literal
 import numpy as np
 import torch
 
-from ondevice_moe.federation.aggregation import Update
+from ondevice_moe.federation.aggregation import Update, probability_problem, record_values
 from ondevice_moe.federation.rules import ServerRule, Slots
 from ondevice_moe.methods.fedsoft.centres import centre_key, cluster_slot, split_centres
 
 ROUNDS = "rounds"
+WEIGHTS_RECORD = "mixture"  # a client's weights over the centres travel as this record's "pi"
+
+
+def centre_weights(update: Update) -> list[float]:
+    """The client's weights over the centres (FedSoft's ``u_k``, IFCA's one-hot choice), or none."""
+    return record_values(update, WEIGHTS_RECORD, "pi")
 
 
 def aggregation_weights(importance: np.ndarray, examples: np.ndarray) -> np.ndarray:
@@ -166,11 +172,11 @@ class CentreRule(ServerRule):
     def aggregate(self, slots: Slots, updates: list[Update]) -> Slots:
         """Fold the updates into the centres; an update without S finite, non-negative weights
         over the centres (a malformed ``mixture`` record) counts towards none of them."""
-        updates = [update for update in updates if update.tensors and self._weighs_centres(update.mixture)]
+        updates = [update for update in updates if update.tensors and self._weighs_centres(centre_weights(update))]
         if not updates:
             return slots
         done = int(slots.get(ROUNDS, {}).get("count", torch.zeros(1)).item())
-        importance = np.array([update.mixture for update in updates], dtype=float)
+        importance = np.array([centre_weights(update) for update in updates], dtype=float)
         if self.every_centre:
             importance = np.ones_like(importance)
         examples = np.array([update.num_examples for update in updates], dtype=float)
@@ -185,7 +191,13 @@ class CentreRule(ServerRule):
         fresh[ROUNDS] = {"count": torch.tensor([done + 1])}
         return fresh
 
-    def _weighs_centres(self, mixture: tuple[float, ...]) -> bool:
+    def check_records(self, update: Update) -> str | None:
+        """The weights over the centres, where sent, are a probability vector."""
+        weights = centre_weights(update)
+        problem = probability_problem(weights, "weighting of the centres") if weights else None
+        return None if problem is None else f"device {update.device} {problem}"
+
+    def _weighs_centres(self, mixture: list[float]) -> bool:
         return len(mixture) == self.clusters and all(np.isfinite(w) and w >= 0 for w in mixture) and any(mixture)
 
     def _contributions(self, updates: list[Update], row: np.ndarray, done: int,

@@ -7,7 +7,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ondevice_moe.experts.preconditioning import low_rank_modules, precondition_gradients
-from ondevice_moe.methods.procedure import Procedure
+from ondevice_moe.methods.floral.rule import MIXTURE
+from ondevice_moe.methods.procedure import Procedure, Tensors
+from ondevice_moe.routing import client_mixture
 
 if TYPE_CHECKING:
     from ondevice_moe.training import DeviceTrainer
@@ -22,6 +24,13 @@ class AdaptorProcedure(Procedure):
     for SGD; it runs under whichever optimiser the recipe names)."""
 
     lora_preconditioning: bool = False
+
+    def upload(self, trainer: DeviceTrainer, tensors: Tensors, records: dict[str, dict]
+               ) -> tuple[Tensors, dict[str, dict]]:
+        """With a client-mixture router, its ``π`` travels with the adaptors (Alg. 1 line 12): the
+        server weighs each adaptor ``c`` by ``π_c`` (:class:`~ondevice_moe.methods.floral.rule.MixtureRule`)."""
+        pi = client_mixture(trainer.model)
+        return tensors, records if pi is None else {**records, MIXTURE: {"pi": pi}}
 
     def adjust_gradients(self, trainer: DeviceTrainer) -> None:
         if not self.lora_preconditioning:

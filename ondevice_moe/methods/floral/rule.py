@@ -15,8 +15,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ondevice_moe.federation.aggregation import Update, Weighting, example_weighting
+from ondevice_moe.federation.aggregation import (
+    Update,
+    Weighting,
+    example_weighting,
+    probability_problem,
+    record_values,
+)
 from ondevice_moe.federation.rules import ServerRule
+
+MIXTURE = "mixture"  # the record a device's π travels in (FLoRAL Alg. 1 line 12)
 
 
 def expert_index(name: str) -> int | None:
@@ -27,14 +35,20 @@ def expert_index(name: str) -> int | None:
     return None
 
 
+def client_pi(update: Update) -> list[float]:
+    """The client's π (its ``mixture`` record's ``pi``), or none."""
+    return record_values(update, MIXTURE, "pi")
+
+
 def mixture_weighting(fallback: Weighting) -> Weighting:
     """``π_c^k ×`` the fallback weight for expert ``c``'s tensors; the fallback alone for the rest."""
 
     def weight(update: Update, name: str) -> float:
         index = expert_index(name)
-        if index is None or not update.mixture:
+        pi = client_pi(update)
+        if index is None or not pi:
             return fallback(update, name)
-        return update.mixture[index] * fallback(update, name)
+        return pi[index] * fallback(update, name)
 
     return weight
 
@@ -52,3 +66,16 @@ class MixtureRule(ServerRule):
 
     def weights(self) -> Weighting:
         return mixture_weighting(example_weighting(self.weighting))
+
+    def check_records(self, update: Update) -> str | None:
+        """π is a probability vector with a weight for every expert whose tensors the device sent."""
+        pi = client_pi(update)
+        if not pi:
+            return None
+        problem = probability_problem(pi, "mixture")
+        if problem is not None:
+            return f"device {update.device} {problem}"
+        experts = [index for index in map(expert_index, update.tensors) if index is not None]
+        if experts and max(experts) >= len(pi):
+            return f"device {update.device} sent expert {max(experts)}'s tensors with a π over {len(pi)} experts"
+        return None

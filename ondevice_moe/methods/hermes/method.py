@@ -7,10 +7,10 @@ shared (the server broadcasts every expert to every client); routers stay home.
 
 from __future__ import annotations
 
-from ondevice_moe.federation.rules import InverseFrequencyRule
 from ondevice_moe.layout import ExpertSizes, ExpertSpec, Layout, RouterSpec
 from ondevice_moe.methods.base import Method, MethodContext, Procedure, Sharing, same_for_all
 from ondevice_moe.methods.hermes.config import HermesOptions, HermesSizes
+from ondevice_moe.methods.hermes.rule import InverseFrequencyRule
 
 HERMES_KINDS = ("lora", "adapter", "prefix")
 

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from ondevice_moe.experts.layer import AdaptorKinds
-from ondevice_moe.federation.rules import InverseFrequencyRule, ServerRule
+from ondevice_moe.federation.rules import ServerRule
 from ondevice_moe.layout import ExpertSizes, ExpertSpec, Layout, RouterSpec
 from ondevice_moe.methods.base import Method, MethodContext, Sharing, same_for_all
 from ondevice_moe.methods.floral.procedure import AdaptorProcedure
 from ondevice_moe.methods.floral.rule import MixtureRule
+from ondevice_moe.methods.hermes.rule import InverseFrequencyRule
 from ondevice_moe.methods.mixture.config import MixtureOptions
 
 
