@@ -3,9 +3,10 @@ device, the parameters the local procedure trains and those it sends to the
 server each round; per user, the data it holds (``ondevice-moe finetune --dry-run``).
 
 A trainable parameter is one with ``requires_grad`` that the method's local
-procedure updates (:meth:`Method.is_trainable`); an uploaded one is a
-trainable parameter whose role is :attr:`Role.SHARED`. Methods that upload
-only the experts a round selected (Hermes) send at most that many.
+procedure updates (:meth:`Method.is_trainable`); the upload is what the server
+checks a device's upload against, as the transport sends it: exactly what a
+device sends, except that methods that upload only the experts a round selected
+(Hermes) send at most that many.
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ondevice_moe.data.splits import SPLITS
-from ondevice_moe.federation.device import build_model, federated_task, user_data
+from ondevice_moe.federation.device import build_model, federated_task, upload_reference, user_data
 from ondevice_moe.federation.job import Job
-from ondevice_moe.methods import Role
+from ondevice_moe.federation.transport import encode
 from ondevice_moe.recipe import Recipe
 
 
@@ -55,17 +56,16 @@ def plan_recipe(recipe: Recipe, run_dir: Path) -> list[MethodPlan]:
 
 
 def device_plan(job: Job, device: int) -> DevicePlan:
-    """Count the parameters device ``device`` trains and uploads under ``job``'s method."""
+    """Count the parameters device ``device`` trains, and what it uploads each round: the tensors the
+    server checks its upload against (:func:`~ondevice_moe.federation.device.upload_reference`, from
+    the method's one answer to what travels), in bytes as ``federation.transport`` sends them."""
     method = job.method
-    trainable = uploaded = uploaded_bytes = 0
-    for name, param in build_model(job, device).named_parameters():
-        if not (param.requires_grad and method.is_trainable(name)):
-            continue
-        trainable += param.numel()
-        if method.role_of(name) is Role.SHARED:
-            uploaded += param.numel()
-            uploaded_bytes += param.numel() * param.element_size()
-    return DevicePlan(device, trainable, uploaded, uploaded_bytes)
+    trainable = sum(param.numel() for name, param in build_model(job, device).named_parameters()
+                    if param.requires_grad and method.is_trainable(name))
+    reference = upload_reference(job, device)
+    wire = encode(reference, job.recipe.federation.transport)
+    return DevicePlan(device, trainable, sum(tensor.numel() for tensor in reference.values()),
+                      sum(tensor.numel() * tensor.element_size() for tensor in wire.values()))
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from ondevice_moe.errors import UserError
-from ondevice_moe.federation.device import head_paths
 from ondevice_moe.methods import Role
+from ondevice_moe.models.heads import head_paths
 from ondevice_moe.run_model import UserModel
 from ondevice_moe.training import trainable_state
 
@@ -61,6 +61,7 @@ def model_parts(user_model: UserModel) -> dict[str, Part]:
     layout = method.layouts[user_model.device]
     kinds = dict(zip(layout.expert_names, (e.kind for e in layout.experts), strict=True)) if layout else {}
     heads = () if user_model.recipe.is_language_modelling else head_paths(user_model.model)
+    roles = method.roles(user_model.model)
     grouped: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in trainable_state(user_model.model).items():
         grouped.setdefault(part_of(name, heads), {})[name] = tensor
@@ -68,7 +69,7 @@ def model_parts(user_model: UserModel) -> dict[str, Part]:
     for name, tensors in grouped.items():
         kind = kinds.get(name, "lora" if EXPERT_SEGMENT.match(name) else name)
         # A tensor the method never trains (FFA-LoRA's frozen A) is the same on every device.
-        private = any(method.role_of(t) is Role.PRIVATE and method.is_trainable(t) for t in tensors)
+        private = any(roles[t] is Role.PRIVATE and method.is_trainable(t) for t in tensors)
         role = Role.PRIVATE if private else Role.SHARED
         parts[name] = Part(name, kind, role, tensors)
     return parts

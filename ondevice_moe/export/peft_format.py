@@ -43,7 +43,7 @@ from ondevice_moe.experts.lora import is_gpt2_conv1d
 from ondevice_moe.export.base_model import BaseModel
 from ondevice_moe.export.experts import Part
 from ondevice_moe.export.merge import expert_loras, merged_lora
-from ondevice_moe.federation.device import head_paths
+from ondevice_moe.models.heads import head_paths
 from ondevice_moe.run_model import UserModel
 from ondevice_moe.safe_files import plain_folder, save_tensors, write_bytes
 

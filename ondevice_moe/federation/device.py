@@ -30,6 +30,7 @@ from ondevice_moe.layout import attach_layout
 from ondevice_moe.methods import Method, Role
 from ondevice_moe.models import LoadedModel, load_base_model, load_base_structure
 from ondevice_moe.models.checkpointing import enable_activation_checkpointing
+from ondevice_moe.models.heads import head_paths
 from ondevice_moe.names import folder_name
 from ondevice_moe.recipe import SourceSection
 from ondevice_moe.routing.lifecycle import routed_upload
@@ -288,12 +289,6 @@ def build_model(job: Job, device: int, base: nn.Module | None = None, seed: int 
     return model
 
 
-def head_paths(model: nn.Module) -> tuple[str, ...]:
-    """The task head of a sequence classifier (trained and averaged like FedAvg)."""
-    return tuple(name for name, _ in model.named_modules()
-                 if name in ("classifier", "score") or name.endswith(".pooler"))
-
-
 def restore_model(job: Job, device: int, shared: Mapping[str, torch.Tensor] | None,
                   state: RecordDict) -> nn.Module:
     """The device's model to evaluate: fresh experts, then its private tensors, then the server's."""
@@ -360,20 +355,21 @@ def save_private_state(job: Job, device: int, trainer: DeviceTrainer, state: Rec
     optimiser state after ``server_round`` for the device's next round
     (:mod:`~ondevice_moe.federation.device_state`)."""
     keep_all = trainer.method.sharing.devices_keep_models
-    private = {n: t for n, t in trainable_state(trainer.model).items()
-               if keep_all or trainer.method.role_of(n) is Role.PRIVATE}
+    roles = trainer.method.roles(trainer.model)
+    private = {n: t for n, t in trainable_state(trainer.model).items() if keep_all or roles[n] is Role.PRIVATE}
     device_state.save_device_state(job, device, private, trainer.optimizer_state(), state, server_round)
 
 
-def travels(method: Method, name: str) -> bool:
-    """Whether a trained tensor may leave the device: shared and trained by the method."""
-    return method.role_of(name) is Role.SHARED and method.is_trainable(name)
+def travelling(method: Method, model: nn.Module) -> set[str]:
+    """The names of ``model``'s tensors that may leave the device: shared (:meth:`Method.roles`) and
+    trained by the method."""
+    return {name for name, role in method.roles(model).items() if role is Role.SHARED and method.is_trainable(name)}
 
 
 def shared_state(trainer: DeviceTrainer) -> dict[str, torch.Tensor]:
     """Copies of the tensors that may leave the device: shared and trainable."""
-    return {name: tensor.clone() for name, tensor in trainable_state(trainer.model).items()
-            if travels(trainer.method, name)}
+    leaving = travelling(trainer.method, trainer.model)
+    return {name: tensor.clone() for name, tensor in trainable_state(trainer.model).items() if name in leaving}
 
 
 def upload_reference(job: Job, device: int) -> dict[str, torch.Tensor]:
@@ -382,7 +378,7 @@ def upload_reference(job: Job, device: int) -> dict[str, torch.Tensor]:
     base's structure (:func:`job_base_structure`): the server reads no weights and needs no accelerator."""
     model = build_model(job, device, base=job_base_structure(job))
     one = {name: torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
-           for name, tensor in trainable_state(model).items() if travels(job.method, name)}
+           for name, tensor in trainable_state(model).items() if name in travelling(job.method, model)}
     return job.method.procedure.upload_reference(one)
 
 
@@ -534,6 +530,7 @@ class JobDevice:
     state: MutableMapping[str, Any] = field(default_factory=RecordDict)
     seed: int = -1
     server_round: int = 0
+    _travelling: set[str] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.seed < 0:
@@ -591,7 +588,10 @@ class JobDevice:
         return DeviceTrainer(model, self.job.method, self.job.training)
 
     def travels(self, name: str) -> bool:
-        return travels(self.job.method, name)
+        if self._travelling is None:  # the model's structure says it: no weights needed
+            structure = build_model(self.job, self.index, base=job_base_structure(self.job))
+            self._travelling = travelling(self.method, structure)
+        return name in self._travelling
 
     def shared_state(self, trainer: DeviceTrainer) -> dict[str, torch.Tensor]:
         return shared_state(trainer)

@@ -552,9 +552,11 @@ class SlotStrategy(Strategy):
             update = Update(device, unpack(arrays), int(examples), records)
         except (KeyError, TypeError, ValueError, OverflowError) as error:
             return Update(device, {}, 0), {}, 0, f"malformed reply ({type(error).__name__}: {error})"
-        size = record_bytes(arrays) + sum(content[key].count_bytes() for key in records)
+        beside = sum(content[key].count_bytes() for key in records)
         metrics.pop("device", None)
-        return update, metrics, size, None
+        if beside:
+            metrics["bytes_up_records"] = beside  # of bytes_up: the records beside the tensors
+        return update, metrics, record_bytes(arrays) + beside, None
 
     def _reference(self, device: int) -> dict[str, torch.Tensor]:
         """Names, shapes and dtypes device ``device`` may upload: the rule's reference once

@@ -8,20 +8,27 @@
   the server keeps, sends and how uploads combine.
 
 Parameter names carry roles (``adapters.shared``, ``experts.private_0``,
-``router``), so which tensors leave the device follows from
-:meth:`Method.role_of` and the method's :class:`Sharing` exceptions.
+``router``), and a method may keep whole modules home (``Sharing.private_modules``):
+which tensors leave the device follows from :meth:`Method.roles`.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from enum import Enum
 
 from pydantic import BaseModel, ConfigDict
+from torch import nn
 
 from ondevice_moe.federation.rules import ServerRule
 from ondevice_moe.layout import Layout
 from ondevice_moe.methods.procedure import Procedure
+from ondevice_moe.models.heads import output_layer_paths
+
+HEAD = "@head"
+"""In ``Sharing.private_modules``: the model's task head, whatever its module path
+(:func:`~ondevice_moe.models.heads.output_layer_paths`)."""
 
 
 class Role(str, Enum):
@@ -69,7 +76,9 @@ class Sharing:
     (FedSA-LoRA keeps ``lora_B``); ``share_router`` sends routers too
     (FedAvg-MoE); ``selected_only``: an expert no token chose this round stays
     home (Hermes §4.3); ``devices_keep_models``: a device also keeps its shared
-    tensors between rounds, because the server sends back no average (PCL).
+    tensors between rounds, because the server sends back no average (PCL);
+    ``private_modules``: module paths of the model whose every parameter stays home,
+    :data:`HEAD` for the task head (FedPer, Arivazhagan et al. 2019: a shared body, a private head).
     """
 
     frozen_matrices: frozenset[str] = frozenset()
@@ -77,6 +86,7 @@ class Sharing:
     share_router: bool = False
     selected_only: bool = False
     devices_keep_models: bool = False
+    private_modules: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -99,8 +109,19 @@ class Method:
     def trains(self) -> bool:
         return self.procedure.full_finetune or any(layout is not None for layout in self.layouts)
 
+    def roles(self, model: nn.Module) -> dict[str, Role]:
+        """The role of every parameter and buffer of ``model``: the one answer to "what is shared, what
+        stays home" that the device, the server's upload reference, ``--dry-run``, export and the byte
+        accounting all ask. A tensor under one of ``sharing.private_modules`` is private; any other
+        follows its name (:meth:`role_of`)."""
+        private = tuple(path for entry in self.sharing.private_modules
+                        for path in (output_layer_paths(model) if entry == HEAD else (entry,)))
+        names = [name for name, _ in itertools.chain(model.named_parameters(), model.named_buffers())]
+        return {name: Role.PRIVATE if any(name.startswith(path + ".") for path in private) else self.role_of(name)
+                for name in names}
+
     def role_of(self, name: str) -> Role:
-        """The role of a trainable parameter, from its name."""
+        """The role of a trainable parameter, from its name alone (see :meth:`roles`)."""
         parts = name.split(".")
         if "router" in parts:
             return Role.SHARED if self.sharing.share_router else Role.PRIVATE
