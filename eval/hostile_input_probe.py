@@ -9,7 +9,8 @@ at most) and is classed by what the user sees:
 * **hang**: still running after the time limit;
 * **silent**: exit code 0 where the input should have been refused;
 * **touched**: a file outside the case's folder was written or deleted (a sentinel folder is watched);
-* **executed**: a crafted file made code run (the case's marker file appeared).
+* **executed**: a crafted file made code run (the case's marker file appeared);
+* **forged**: an escape character reached the output (a name or path could drive the terminal).
 
 Usage: ``python eval/hostile_input_probe.py [--only NAME ...]``; prints a table and the counts.
 """
@@ -156,7 +157,73 @@ CASES = [
     Case("a text folder with no text files", "data semantics",
          lambda d, s: ["finetune", str(TINY), "--set", "methods=[pretrained]", "--output", str(d / "out"), "--set",
                        f"data.users=[{{name: a, source: text-folder, path: {d}}}]"]),
+    # Sizes no machine could hold: refused before anything is allocated.
+    Case("10^7 clients", "bounds",
+         lambda d, s: ["finetune", str(TINY_CLASSIFICATION), *quick("task.clients=10000000")]),
+    Case("batch_size 10^7", "bounds", lambda d, s: ["finetune", str(TINY), *quick("data.batch_size=10000000")]),
+    Case("train_tokens 10^15", "bounds",
+         lambda d, s: ["finetune", str(TINY), *quick("data.train_tokens=1000000000000000")]),
+    Case("local_iterations 10^12", "bounds",
+         lambda d, s: ["finetune", str(TINY), *quick("federation.local_iterations=1000000000000")]),
+    Case("LoRA rank 10^6", "bounds", lambda d, s: ["finetune", str(TINY), *quick("experts.lora_rank=1000000")]),
+    Case("top_k above the experts", "bounds", lambda d, s: ["finetune", str(TINY), *quick("experts.top_k=5")]),
+    Case("5000 clients over 1797 digits", "bounds",
+         lambda d, s: ["finetune", str(ROOT / "ondevice_moe" / "recipes" / "floral-digits.yaml"),
+                       *quick("task.clients=5000")]),
+    Case("20 MB recipe", "bounds",
+         lambda d, s: ["finetune", str(written(d, "big.yaml", "name: x\n#" + "a" * 20_000_000 + "\n")), "--dry-run"]),
+    Case("recipe nested 5000 deep", "bounds",
+         lambda d, s: ["finetune", str(written(d, "deep.yaml", "a: " + "[" * 5000 + "]" * 5000 + "\n")), "--dry-run"]),
+    Case("--set nested 3000 deep", "bounds",
+         lambda d, s: ["finetune", str(TINY), *quick("data.batch_size=" + "[" * 3000)]),
+    Case("inspect --file of 2 GiB", "bounds",
+         lambda d, s: ["inspect", str(d), "--method", "fedavg", "--user", "a", "--to", str(d / "p.html"), "--file",
+                       str(_sparse(d, "huge.txt", 2 * 2**30))]),
+    Case("krum assuming as many liars as devices", "bounds",
+         lambda d, s: ["finetune", str(TINY), *quick("federation.aggregation=krum", "federation.byzantine=3")]),
+    Case("trimmed-mean that trims nothing", "bounds",
+         lambda d, s: ["finetune", str(TINY), *quick("federation.aggregation=trimmed-mean")]),
+    # Hangs and full disks.
+    Case("recipe is a FIFO", "hangs and disks", lambda d, s: ["finetune", str(fifo(d, "r.yaml")), "--dry-run"]),
+    Case("run folder whose log is a FIFO", "hangs and disks", lambda d, s: ["eval", _fifo_log_run(d)]),
+    Case("recipes copy onto a full disk", "hangs and disks",
+         lambda d, s: ["recipes", "copy", "demo", "/dev/full", "--force"]),
+    # Output that could forge, and models that ask to run their code.
+    Case("escape sequences in a path", "output", lambda d, s: ["eval", str(_forged_folder(d))]),
+    Case("model folder with auto_map", "crafted files",
+         lambda d, s: ["finetune", str(TINY), "--set", f"model.name={_custom_code_model(d)}", "--set",
+                       "methods=[pretrained]", "--output", str(d / "out")]),
 ]
+
+
+def _sparse(folder: Path, name: str, size: int) -> Path:
+    path = folder / name
+    with path.open("wb") as file:
+        file.truncate(size)
+    return path
+
+
+def _fifo_log_run(folder: Path) -> str:
+    run = folder / "run"
+    run.mkdir()
+    (run / "recipe.yaml").write_text(TINY.read_text())
+    os.mkfifo(run / "metrics.jsonl")
+    return str(run)
+
+
+def _forged_folder(folder: Path) -> Path:
+    forged = folder / "run\x1b]0;owned\x07\x1b[2J"
+    forged.mkdir()
+    return forged
+
+
+def _custom_code_model(folder: Path) -> Path:
+    model = folder / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "gpt2", "n_layer": 1, "n_embd": 8, "n_head": 2, '
+                                       '"auto_map": {"AutoModelForCausalLM": "evil.Model"}}')
+    (model / "evil.py").write_text(f"open({str(folder / 'EXECUTED')!r}, 'w').close()\n")
+    return model
 
 
 def _pickle_model(folder: Path) -> Path:
@@ -204,6 +271,8 @@ def probe(case: Case) -> tuple[str, str]:
             return "touched", last
         if "Traceback" in output:
             return "traceback", last
+        if "\x1b" in output:  # not a terminal: rich adds no styles, so any escape came from the input
+            return "forged", last
         if result.returncode == 0:
             return ("silent" if case.refuse else "clear"), last
         has_both = "error:" in output and "fix:" in output
@@ -222,7 +291,7 @@ def main() -> None:
         counts[outcome] += 1
         print(f"| {case.family} | {case.name} | {outcome} | {seen.replace('|', '/')} |", flush=True)
     print("\n" + ", ".join(f"{outcome} {counts[outcome]}" for outcome in
-                           ("clear", "poor", "traceback", "hang", "silent", "touched", "executed")))
+                           ("clear", "poor", "traceback", "hang", "silent", "touched", "executed", "forged")))
 
 
 if __name__ == "__main__":
