@@ -59,7 +59,8 @@ def options(argv: Sequence[str]) -> argparse.Namespace:
 def loaded_reference(job: Job, device: int) -> dict[str, torch.Tensor]:
     """The reference from a device model on the loaded base, as the server built it before."""
     model = dev.build_model(job, device)
-    travelling = {name: tensor for name, tensor in trainable_state(model).items() if dev.travels(job.method, name)}
+    names = dev.travelling(job.method, model)
+    travelling = {name: tensor for name, tensor in trainable_state(model).items() if name in names}
     return job.method.procedure.upload_reference(travelling)
 
 

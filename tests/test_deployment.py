@@ -71,10 +71,11 @@ def records(output: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
 
 
-def wait_for(server_run: Path, kind: str, server_round: int, process: subprocess.Popen, timeout: float = 300) -> None:
-    """Wait until the server's run folder logs a ``kind`` record of ``server_round``."""
+def wait_for(server_run: Path, kind: str, server_round: int | None, process: subprocess.Popen,
+             timeout: float = 300) -> None:
+    """Wait until the server's run folder logs a ``kind`` record of ``server_round`` (any round: ``None``)."""
     deadline = time.monotonic() + timeout
-    while not any(r["kind"] == kind and r.get("round") == server_round for r in records(server_run)):
+    while not any(r["kind"] == kind and server_round in (None, r.get("round")) for r in records(server_run)):
         assert process.poll() is None, process.stdout.read()
         assert time.monotonic() < deadline, f"no {kind} record of round {server_round} within {timeout}s"
         time.sleep(0.5)
@@ -98,6 +99,7 @@ def test_devices_keep_their_data_and_private_state_and_a_killed_device_resumes(t
         federation.kill(nodes[2])  # SIGKILL mid-run, then the device comes back with the same state-dir
         time.sleep(2)
         federation.start_supernode(2, data[2], warm=True)
+        wait_for(federation.server_runs() / output.name, "rejoin", None, run)  # however slow the machine
         wait_for(federation.server_runs() / output.name, "round", 2, run)
         stop = subprocess.run([*finetune_command(recipe_file, output), "--stop"], env=environment(tmp_path / "cli"),
                               capture_output=True, text=True, timeout=120)
