@@ -428,20 +428,41 @@ def generate(
     prompt: Annotated[str, typer.Option(help="The text to continue.")],
     max_new_tokens: Annotated[int, typer.Option(help="At most this many new tokens.")] = 50,
     temperature: Annotated[float, typer.Option(help="0: greedy; above 0: sampled from softmax(logits / T).")] = 0.0,
+    top_k: Annotated[int, typer.Option(help="Sample among the k most likely tokens (0: all).")] = 0,
+    top_p: Annotated[float, typer.Option(help="Sample within the smallest set of this much mass (1.0: all).")] = 1.0,
     seed: Annotated[int, typer.Option(help="The sampling seed: the same seed gives the same text.")] = 0,
+    raw: Annotated[bool, typer.Option(
+        "--raw", help="Continue the prompt as it is, without an instruction run's chat template.")] = False,
     device: Annotated[Device | None, typer.Option(help=DEVICE_HELP + " Default: the run's recipe.")] = None,
     trust_plugins: Annotated[bool, typer.Option(
         "--trust-plugins", help="Run the code of the method plug-in files the recipe names (plugins:).")] = False,
 ) -> None:
-    """Continue a prompt with one user's trained model (the prompt in bold, then the model's text)."""
+    """Continue a prompt with one user's trained model (the prompt in bold, then the model's text as it is
+    written). An instruction run's prompt goes through its chat template unless --raw."""
     _trust(trust_plugins)
+    started: list[bool] = []
+
+    def show(piece: str) -> None:
+        if not started:
+            console.print(Text(prompt, "bold"), end="", soft_wrap=True)
+            started.append(True)
+        console.print(Text(piece), end="", soft_wrap=True)
+
     try:
         from ondevice_moe.generate import generate_text
 
-        result = generate_text(run, method, user, prompt, max_new_tokens, temperature, seed, device)
+        result = generate_text(run, method, user, prompt, max_new_tokens, temperature, seed, device, top_k=top_k,
+                               top_p=top_p, raw=raw, on_text=show)
     except UserError as error:
         _fail(error)
-    console.print(Text.assemble((result.prompt, "bold"), result.continuation), soft_wrap=True)
+    if not started:
+        console.print(Text(prompt, "bold"), end="", soft_wrap=True)
+    console.print()
+    if not result.continuation.strip():
+        how = ("it went through the run's chat template; try --raw" if result.templated else
+               "try a longer prompt or --temperature above 0")
+        console.print(f"[bold yellow]note:[/] the model wrote no text after the prompt ({result.new_tokens} "
+                      f"new tokens): {how}")
 
 
 @app.command()

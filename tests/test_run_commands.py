@@ -71,10 +71,18 @@ def test_sampling_repeats_for_a_seed_and_each_users_model_writes_its_own_text(tr
 
 def test_the_generate_command_prints_the_prompt_and_its_continuation(trained_run):
     result = cli.invoke(app, ["generate", str(trained_run), "--method", METHOD, "--user", "code", "--prompt",
-                              "import os", "--max-new-tokens", "8"])
+                              "import os", "--max-new-tokens", "8", "--temperature", "1", "--top-k", "50"])
     assert result.exit_code == 0, result.output
-    expected = generate_text(trained_run, METHOD, "code", "import os", 8).continuation
-    assert result.output.startswith("import os") and result.output.rstrip() == ("import os" + expected).rstrip()
+    expected = generate_text(trained_run, METHOD, "code", "import os", 8, temperature=1, top_k=50).continuation
+    assert expected.strip() and result.output == "import os" + expected + "\n"  # streamed piece by piece
+
+
+def test_generate_says_when_the_model_wrote_nothing(trained_run):
+    result = cli.invoke(app, ["generate", str(trained_run), "--method", METHOD, "--user", "code", "--prompt",
+                              "import os", "--max-new-tokens", "3"])
+    assert result.exit_code == 0, result.output
+    blank = not generate_text(trained_run, METHOD, "code", "import os", 3).continuation.strip()
+    assert blank == ("the model wrote no text" in result.output)
 
 
 @pytest.mark.parametrize(("arguments", "problem"), [

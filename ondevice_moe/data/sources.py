@@ -192,6 +192,7 @@ SOURCES: dict[str, Callable[..., Documents]] = {
     "instruction-file": instruction_file,
 }
 OFFLINE_SOURCES = ("python-code", "bbc-news", "rotten-tomatoes", "political-speeches")
+INSTRUCTION_SOURCES = ("python-docstrings", "bbc-headlines", "instruction-file")  # prompts and responses
 
 
 def documents(kind: str, options: dict[str, object]) -> Documents:
@@ -199,4 +200,4 @@ def documents(kind: str, options: dict[str, object]) -> Documents:
     return SOURCES[kind](**options)
 
 
-__all__ = ["OFFLINE_SOURCES", "SOURCES", "device_source_kind", "documents", "package_folder"]
+__all__ = ["INSTRUCTION_SOURCES", "OFFLINE_SOURCES", "SOURCES", "device_source_kind", "documents", "package_folder"]

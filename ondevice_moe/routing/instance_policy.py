@@ -78,7 +78,11 @@ class InstancePolicyRouter(nn.Module):
     ``pairs``: the (global, local) modules it routes, in exit order (several per exit where
     one exit drives LoRA copies on several projections of a block); the layout fills it, and
     Flow's round restarts each local module from its global one (Alg. 1 line 5).
-    ``interpolation``: APFL's α at the start (the ``mixture`` path's private parameter)."""
+    ``interpolation``: APFL's α at the start (the ``mixture`` path's private parameter).
+    ``reads_whole_context``: a token's route reads every token of its text (generation keeps no
+    key/value cache for it, :mod:`~ondevice_moe.generate`)."""
+
+    reads_whole_context = True
 
     def __init__(self, in_features: int, exits: int, hidden: int, generator: torch.Generator,
                  represent: Representation = flattened_input, interpolation: float | None = None) -> None:
