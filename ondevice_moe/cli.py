@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import errno
-import shutil
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Literal, NoReturn
 
@@ -566,7 +566,7 @@ def copy_recipe(
     dest: Annotated[Path, typer.Argument(help="The file to write, or a folder to write NAME.yaml into.")],
     force: Annotated[bool, typer.Option("--force", help="Overwrite DEST if it exists.")] = False,
 ) -> None:
-    """Copy a bundled recipe to edit it."""
+    """Copy a bundled recipe to edit it; the copy's `name:` (its run folder, runs/NAME) is its file's name."""
     try:
         source = bundled_recipe(name)
         target = dest / source.name if dest.is_dir() else dest
@@ -576,8 +576,19 @@ def copy_recipe(
             raise UserError(f"folder {target.parent} does not exist", "create it first, or choose another DEST")
     except UserError as error:
         _fail(error)
-    shutil.copyfile(source, target)
-    console.print(f"wrote {target}")
+    name = name_for_file(target.stem)
+    target.write_text(renamed_recipe(source.read_text(encoding="utf-8"), name), encoding="utf-8")
+    console.print(f"wrote {target} (name: {name}: its runs go to runs/{name})")
+
+
+def name_for_file(file_stem: str) -> str:
+    """A recipe name (a run folder's name) from a file's: each character a name cannot hold as ``-``."""
+    return re.sub(r"[^A-Za-z0-9._+-]", "-", file_stem).lstrip(".")[:100] or "recipe"
+
+
+def renamed_recipe(text: str, name: str) -> str:
+    """A recipe's YAML with its top-level ``name:`` set to ``name``, every other line (comments too) as written."""
+    return re.sub(r"^name:.*$", lambda _: f"name: {name}", text, count=1, flags=re.MULTILINE)
 
 
 def _print_yaml(text: str) -> None:

@@ -53,6 +53,15 @@ def test_recipes_copy_refuses_to_overwrite_without_force(tmp_path):
     assert copy.read_text() == bundled
 
 
+def test_a_recipe_copy_is_named_after_its_file_so_its_run_has_its_own_folder(tmp_path):
+    bundled = (BUNDLED_RECIPES / "quickstart.yaml").read_text()
+    result = runner.invoke(app, ["recipes", "copy", "quickstart", str(tmp_path / "my run.yaml")])
+    assert result.exit_code == 0 and "runs/my-run" in " ".join(result.output.split())
+    copy = (tmp_path / "my run.yaml").read_text()
+    assert load_recipe(tmp_path / "my run.yaml").name == "my-run"  # a space cannot name a folder
+    assert copy.replace("name: my-run", "name: quickstart", 1) == bundled  # comments and all else as written
+
+
 def test_dry_run_prints_recipe_and_plan_and_trains_nothing(tmp_path):
     run_dir = tmp_path / "run"
     result = runner.invoke(app, ["finetune", str(TESTS / "tiny.yaml"), "--dry-run", "--device", "cpu",
