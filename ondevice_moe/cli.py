@@ -59,12 +59,23 @@ def _options(
     """On-device collaborative fine-tuning with mixtures of PEFT experts."""
 
 
+def run_header(recipe: Recipe, methods: list[str]) -> Text:
+    """The line ``finetune`` opens with: the run, its devices, model, methods and both seeds."""
+    what = f"task {recipe.task.name}, " if recipe.task else ""
+    split = ("data_seed" if recipe.data_seed is not None else "follows seed")
+    return Text.assemble((recipe.name, "bold"), f": {what}{len(recipe.user_names)} devices, model "
+                         f"{recipe.model.name}, methods {', '.join(methods)}; seed {recipe.seed}, data split seed "
+                         f"{recipe.split_seed} ({split})")
+
+
 @app.command()
 def finetune(
     recipe: Annotated[Path, typer.Argument(help="Recipe YAML, or a bundled recipe's name (see `recipes list`).")],
     set_: Annotated[list[str], typer.Option("--set", help="Override a recipe key: --set federation.rounds=5")] = [],  # noqa: B006
     output: Annotated[Path | None, typer.Option(help="Run folder (default: runs/<recipe name>).")] = None,
-    seed: Annotated[int | None, typer.Option(help="Override the recipe's seed.")] = None,
+    seed: Annotated[int | None, typer.Option(help="Override the recipe's seed: the experts' initialisation and the "
+                                             "order of batches, and the data split too unless the recipe sets "
+                                             "data_seed.")] = None,
     device: Annotated[Device | None, typer.Option(help=DEVICE_HELP)] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Read the data and print the resolved recipe, the "
                                           "plan and each user's data; train nothing.")] = False,
@@ -107,10 +118,8 @@ def finetune(
         if dry_run:
             _print_plan(loaded, output, read_data=federation is None)
             return
-        what = f"task {loaded.task.name}, " if loaded.task else ""
-        console.print(f"[bold]{loaded.name}[/]: {what}{len(loaded.user_names)} devices, model {loaded.model.name}, "
-                      f"methods {', '.join(Job(loaded, i, Path()).method.name for i in range(len(loaded.methods)))}",
-                      soft_wrap=True)
+        methods = [Job(loaded, i, Path()).method.name for i in range(len(loaded.methods))]
+        console.print(run_header(loaded, methods), soft_wrap=True)
         plain = not console.is_terminal  # a log file or CI: a whole line per event, as it happens, and no bars
         with _progress(disable=plain) as progress:
             tasks: dict[str, int] = {}

@@ -540,14 +540,20 @@ def _draw_rounds(axis: Any, records: list[dict[str, Any]], methods: list[str]) -
 
 
 def step_losses(record: dict[str, Any]) -> list[tuple[int, float]]:
-    """A ``train`` record's loss at each training step, as ``(step, loss)``: steps of the device's own
-    count, which runs on across rounds (the record's ``iteration`` is its round's last step). None where
-    the record does not say which steps they were (a device's malformed metrics)."""
-    losses, last = record.get("step_losses"), record.get("iteration")
-    if not (isinstance(losses, list) and isinstance(last, int | float) and losses and len(losses) <= last < 2**53):
+    """A ``train`` record's loss at each training step, as ``(step, loss)`` (:func:`step_series`)."""
+    return step_series(record, "step_losses")
+
+
+def step_series(record: dict[str, Any], key: str) -> list[tuple[int, float]]:
+    """A ``train`` record's list ``key`` (``step_losses``, ``step_lrs``, ``step_grad_norms``) as ``(step,
+    value)``: steps of the device's own count, which runs on across rounds (the record's ``iteration`` is
+    its round's last step). None where the record does not say which steps they were (a device's malformed
+    metrics)."""
+    values, last = record.get(key), record.get("iteration")
+    if not (isinstance(values, list) and isinstance(last, int | float) and values and len(values) <= last < 2**53):
         return []
-    first = int(last) - len(losses) + 1
-    return [(first + offset, float(loss)) for offset, loss in enumerate(losses)]
+    first = int(last) - len(values) + 1
+    return [(first + offset, float(value)) for offset, value in enumerate(values)]
 
 
 # Losses of a method's phases other than its plain training steps, per round: name in the legend.

@@ -79,6 +79,15 @@ class TrainedMethod(Protocol):
     def is_trainable(self, name: str) -> bool: ...
 
 
+@dataclass(frozen=True)
+class StepFigures:
+    """What a tracker plots of one step besides its loss: the first parameter group's learning rate as the
+    step used it, and the gradients' total L2 norm before clipping."""
+
+    lr: float
+    grad_norm: float
+
+
 @dataclass
 class DeviceTrainer:
     """The trainable state of one device: its model, optimisers and iteration count.
@@ -101,6 +110,7 @@ class DeviceTrainer:
     router_optimizer: torch.optim.Optimizer | None = field(default=None, init=False)
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = field(default=None, init=False)
     round_state: dict[str, Any] = field(default_factory=dict, init=False)
+    last_step: StepFigures | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self.trainable = [(n, p) for n, p in self.model.named_parameters()
@@ -155,16 +165,18 @@ class DeviceTrainer:
         ``train_batches(i)`` and ``router_batches(i)`` return the batch for global
         iteration/step ``i``; the router batches come from the validation split
         (or fresh training batches in the ``-tr`` ablation). Returns the mean ``train_loss``,
-        each step's loss (``step_losses``: steps ``iteration - len + 1`` to ``iteration``), the
+        each step's loss (``step_losses``: steps ``iteration - len + 1`` to ``iteration``), learning rate
+        (``step_lrs``) and gradient norm before clipping (``step_grad_norms``), the
         router phases' mean ``router_loss``, the round figures of the model's round-aware modules
         (:meth:`~ondevice_moe.routing.lifecycle.RoundAware.round_metrics`) and each expert's mean score per layer.
         """
-        losses, router_losses = [], []
+        losses, router_losses, figures = [], [], []
         device = model_device(self.model)
         score_sums = [torch.zeros(len(m.expert_names), device=device) for m in routing_sites(self.model)]
         for _ in range(iterations):
             self.iteration += 1
             losses.append(self.expert_step(train_batches(self.iteration)))
+            figures.append(self.last_step)
             for sums, site in zip(score_sums, routing_sites(self.model), strict=True):
                 sums += site.last_scores
             if self.router_optimizer is not None and self.iteration % self.config.router_period == 0:
@@ -173,6 +185,9 @@ class DeviceTrainer:
                     router_losses.append(self.router_step(router_batches(router_index)))
         metrics: dict[str, float | list[float]] = {
             "train_loss": sum(losses) / max(len(losses), 1), "step_losses": losses, "iteration": float(self.iteration)}
+        if figures and all(figure is not None for figure in figures):
+            metrics["step_lrs"] = [figure.lr for figure in figures]
+            metrics["step_grad_norms"] = [figure.grad_norm for figure in figures]
         if router_losses:
             metrics["router_loss"] = sum(router_losses) / len(router_losses)
         for module in self.round_aware:
@@ -221,9 +236,12 @@ class DeviceTrainer:
             for module in self.round_aware:
                 module.after_backward()
             procedure.adjust_gradients(self)
+            params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
             if self.config.grad_clip is not None:
-                params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-                torch.nn.utils.clip_grad_norm_(params, self.config.grad_clip)
+                norm = torch.nn.utils.clip_grad_norm_(params, self.config.grad_clip)  # the norm before clipping
+            else:
+                norm = torch.nn.utils.get_total_norm([p.grad for p in params]) if params else torch.zeros(())
+            self.last_step = StepFigures(float(optimizer.param_groups[0]["lr"]), float(norm))
             optimizer.step()
             procedure.after_step(self)
             for module in self.round_aware:

@@ -128,3 +128,12 @@ def test_the_results_table_shows_whole_method_names_on_a_narrow_terminal(monkeyp
              "std_out": 0.0, "upload_bytes_per_round": 10.0}
     cli._print_summary({"users": ["a"], "metric": "perplexity", "methods": {"comigs-1GXs-2444": entry}})
     assert "comigs-1GXs-2444" in narrow.export_text()
+
+
+def test_the_run_header_names_both_seeds_and_whether_the_split_follows_the_seed():
+    from ondevice_moe.cli import run_header
+
+    recipe = load_recipe(BUNDLED_RECIPES / "quickstart.yaml", seed=7)
+    assert "seed 7, data split seed 7 (follows seed)" in run_header(recipe, ["fedavg"]).plain
+    pinned = load_recipe(BUNDLED_RECIPES / "quickstart.yaml", ["data_seed=3"], seed=7)
+    assert "seed 7, data split seed 3 (data_seed)" in run_header(pinned, ["fedavg"]).plain

@@ -89,6 +89,20 @@ def test_every_step_of_every_device_is_logged_once_in_order(tracked_run):
         mine = sorted((r for r in trains if r["user"] == user), key=lambda r: r["round"])
         assert [r["iteration"] for r in mine] == [STEPS * k for k in range(1, ROUNDS + 1)]
         assert all(r["train_loss"] == pytest.approx(np.mean(r["step_losses"])) for r in mine)
+        assert all(len(r["step_lrs"]) == len(r["step_grad_norms"]) == STEPS for r in mine)
+
+
+def test_each_step_logs_its_learning_rate_and_gradient_norm(tracked_run):
+    """The recipe's rate as the schedule set it (tiny-digits: constant) and a positive, finite, moving norm."""
+    run_dir, _ = tracked_run
+    recipe = yaml.safe_load((run_dir / "recipe.yaml").read_text())
+    stored = _tensorboard(run_dir / "tensorboard" / METHOD)
+    user = next(r["user"] for r in _records(run_dir) if r["kind"] == "train")
+    rates = [value for _, value in stored[f"step/lr/{user}"]]
+    norms = [value for _, value in stored[f"step/grad_norm/{user}"]]
+    assert len(rates) == len(norms) == STEPS * ROUNDS
+    assert rates == pytest.approx([recipe["training"]["lr"]] * len(rates))
+    assert all(np.isfinite(norms)) and min(norms) > 0 and len(set(norms)) > 1
 
 
 def test_tensorboard_holds_every_scalar_of_the_metrics_log(tracked_run):
