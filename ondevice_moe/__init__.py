@@ -19,8 +19,10 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from ondevice_moe.distribution import BUNDLED_RECIPES, VERSION
+from ondevice_moe.quiet import silence_dependency_noise
 
 __version__ = VERSION
+silence_dependency_noise()
 
 if TYPE_CHECKING:
     from ondevice_moe.api import FinetuneResult, MixtureConfig, finetune, get_mixture_model, load_recipe
