@@ -178,26 +178,33 @@ def evaluate(
              "classifier's validation split needs task.valid_examples). "
              "Default: the run's recipe.")] = None,
     data: Annotated[Path | None, typer.Option(
-        help="Score the run's users on a file of yours instead: text (.txt, .md, a folder of them, .jsonl) for a "
-             "language model, .csv/.tsv/.jsonl with text and label columns for classification.")] = None,
+        help="Score the run's users on a file of yours instead: for a language model what training reads (text, "
+             ".csv/.tsv/.jsonl/.parquet, a folder, a save_to_disk folder; prompts and responses scored on the "
+             "responses), for classification .csv/.tsv/.jsonl with text and label columns.")] = None,
     out: Annotated[Path | None, typer.Option(help="Where --data's scores go. Default: RUN/eval.json.")] = None,
     text_column: Annotated[list[str], typer.Option(
         help="--data's text column or JSONL field (twice for sentence pairs). Default: text, or the run's task "
              "file's.")] = [],  # noqa: B006
     label_column: Annotated[str | None, typer.Option(
         help="--data's label column or JSONL field. Default: label, or the run's task file's.")] = None,
+    prompt_column: Annotated[str | None, typer.Option(
+        help="--data holds instructions: its prompt column (default prompt; an instruction run's default).")] = None,
+    response_column: Annotated[str | None, typer.Option(
+        help="--data holds instructions: its response column, the tokens scored (default response).")] = None,
+    messages_column: Annotated[str | None, typer.Option(
+        help="--data holds chat conversations in this column (the last message, the assistant's, scored).")] = None,
     trust_plugins: Annotated[bool, typer.Option(
         "--trust-plugins", help="Run the code of the method plug-in files the recipe names (plugins:).")] = False,
 ) -> None:
     """Re-evaluate a finished run from its checkpoints, on its own data or (--data) on a file of yours."""
     _trust(trust_plugins)
     try:
+        instruction_columns = (prompt_column, response_column, messages_column)
         if data is not None:
-            _score_file(run, data, out, device, text_column, label_column, suite, split)
+            _score_file(run, data, out, device, text_column, label_column, instruction_columns, suite, split)
             return
-        if out is not None or text_column or label_column is not None:
-            raise UserError("--out, --text-column and --label-column describe a --data file",
-                            "add --data FILE, or drop them")
+        if out is not None or text_column or label_column is not None or any(instruction_columns):
+            raise UserError("--out and the --*-column options describe a --data file", "add --data FILE, or drop them")
         if split not in (None, "test", "valid"):
             raise UserError(f"unknown split '{split}'", "use --split test or --split valid")
         from ondevice_moe.runner import evaluate_run
@@ -216,15 +223,19 @@ def _note_still_training(run: Path, methods: list[str]) -> None:
 
 
 def _score_file(run: Path, data: Path, out: Path | None, device: str | None, text_columns: list[str],
-                label_column: str | None, suite: str | None, split: str | None) -> None:
+                label_column: str | None, instruction_columns: tuple[str | None, str | None, str | None],
+                suite: str | None, split: str | None) -> None:
     """``eval --data``: every user's model on the file, printed and written to ``eval.json``."""
     if suite is not None or split is not None:
         raise UserError("--suite and --split choose among the run's own data; --data scores your file",
                         "drop --suite and --split")
     check_file_destination(out or run / "eval.json", "--out", "eval.json")  # before torch loads
-    from ondevice_moe.eval_file import score_file
+    from ondevice_moe.eval_file import InstructionColumns, score_file
 
-    scores = score_file(run, data, out, device, text_columns or None, label_column)
+    prompt, response, messages = instruction_columns
+    instructions = InstructionColumns(prompt or "prompt", response or "response", messages) \
+        if any(instruction_columns) else None
+    scores = score_file(run, data, out, device, text_columns or None, label_column, instructions)
     users = list(next(iter(scores.scores.values())))
     shown = users if len(users) <= MAX_USER_COLUMNS else []  # the file holds every user
     size = ", ".join(f"{count:,} {what}" for what, count in scores.size.items())

@@ -1,10 +1,19 @@
 """A finished run's trained users scored on a file of the user's (``ondevice-moe eval RUN --data FILE``).
 
-A language-modelling run reads text: a ``.txt`` / ``.md`` file (one document), a folder of them, or a
-``.jsonl`` file (one document per line, from the field ``text_column``). The documents are tokenized
-as training tokenized its data (each followed by the end-of-text token) and cut into blocks of the
-run's ``data.context_length``; each method's model of each user gets the perplexity of those blocks
-and the standard error of their mean NLL.
+A language-modelling run reads whatever its training reads from a user's own files (the ``files``
+source): a ``.txt`` / ``.md`` file (one document), a CSV, TSV, JSON-lines or Parquet file (one document
+per row, from the column ``text_column``), a folder or glob of them, or a ``save_to_disk`` folder. The
+documents are tokenized as training tokenized its data (each followed by the end-of-text token) and
+cut into blocks of the run's ``data.context_length``; each method's model of each user gets the
+perplexity of those blocks and the standard error of their mean NLL.
+
+A file of prompts and responses (columns ``prompt_column`` and ``response_column``, or chat messages
+in ``messages_column``; the ``instruction-file`` source's formats) is scored as instruction training
+scored its test split: one block per instruction through the tokenizer's chat template where it has
+one, the perplexity of the *responses'* tokens only (:mod:`~ondevice_moe.data.instruction_blocks`).
+Naming a prompt, response or messages column asks for it; so does a run that tuned instructions
+(:func:`~ondevice_moe.generate.tunes_instructions`) when no ``text_column`` is named and the file is
+not plain text.
 
 A classification run reads labelled examples: a ``.csv`` / ``.tsv`` / ``.jsonl`` file with text
 column(s) and a label column (the class names of the run's task, or class indices), checked as a
@@ -27,7 +36,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from ondevice_moe.data.blocks import IGNORED, BlockExamples
 from ondevice_moe.data.classification import ClientExamples
+from ondevice_moe.data.instruction_blocks import instruction_blocks
 from ondevice_moe.data.sources import documents
 from ondevice_moe.data.splits import to_blocks
 from ondevice_moe.data.tasks import UserTaskFile, load_task, user_task
@@ -36,7 +47,8 @@ from ondevice_moe.errors import UserError
 from ondevice_moe.federation import device as dev
 from ondevice_moe.federation.evaluation import reported
 from ondevice_moe.federation.job import Job
-from ondevice_moe.likelihood import block_nll, nll_standard_error, perplexity_of
+from ondevice_moe.generate import tunes_instructions
+from ondevice_moe.likelihood import score_blocks
 from ondevice_moe.metrics import lower_is_better, task_score
 from ondevice_moe.models.gguf_cache import file_sha256
 from ondevice_moe.recipe import Recipe
@@ -60,11 +72,22 @@ class FileScores:
     still_training: list[str]  # methods a live run is training still: not scored
 
 
+@dataclass(frozen=True)
+class InstructionColumns:
+    """Where a file of instructions keeps its prompts and responses (or whole chat conversations)."""
+
+    prompt: str = "prompt"
+    response: str = "response"
+    messages: str | None = None
+
+
 def score_file(run_dir: Path, data: Path, out: Path | None = None, device: str | None = None,
-               text_columns: list[str] | None = None, label_column: str | None = None) -> FileScores:
+               text_columns: list[str] | None = None, label_column: str | None = None,
+               instructions: InstructionColumns | None = None) -> FileScores:
     """Score every finished method's model of every user of ``run_dir`` on ``data`` and write
     ``eval.json`` (into the run folder, or ``out``). ``text_columns`` / ``label_column`` name the
     file's columns (JSONL fields); by default ``text`` and ``label``, or the run's own task file's.
+    ``instructions``: score the file's responses to its prompts (see the module's docstring).
     Bad input is a :class:`UserError`, raised before anything is written."""
     run_dir, data = Path(run_dir), Path(data)
     out = Path(out) if out is not None else run_dir / EVAL_FILE
@@ -73,10 +96,21 @@ def score_file(run_dir: Path, data: Path, out: Path | None = None, device: str |
     _check_data_path(data)
     job = jobs[0]
     if recipe.is_language_modelling:
-        if text_columns is not None and len(text_columns) != 1:
-            raise UserError("a language-modelling run reads one text column", "pass --text-column once")
-        examples = _text_blocks(job, data, (text_columns or ["text"])[0])
-        metric, size = "perplexity", {"blocks": int(examples.shape[0]), "tokens": int(examples.numel())}
+        if text_columns is not None and (len(text_columns) != 1 or instructions is not None):
+            raise UserError("a language-modelling run reads one text column, or prompts and responses",
+                            "pass --text-column once, or the prompt/response (or messages) columns alone")
+        if instructions is None and text_columns is None and tunes_instructions(recipe) and not _plain_text(data):
+            instructions = InstructionColumns()
+        if instructions is not None:
+            examples = _instruction_blocks(job, data, instructions)
+            metric, size = "perplexity", {"instructions": len(examples),
+                                          "response_tokens": int((examples.targets != IGNORED).sum())}
+        else:
+            examples = _text_blocks(job, data, (text_columns or ["text"])[0])
+            metric, size = "perplexity", {"blocks": int(examples.shape[0]), "tokens": int(examples.numel())}
+    elif instructions is not None:
+        raise UserError("prompt and response columns describe an instruction file; this run classifies text",
+                        "pass --text-column and --label-column for labelled examples")
     else:
         examples = _labelled_examples(job, data, text_columns, label_column)
         metric, size = recipe.task.spec().metric, {"examples": len(examples)}
@@ -105,17 +139,28 @@ def _check_data_path(data: Path) -> None:
                         "score a sample of it (a few MiB of text resolve a perplexity to the second decimal)")
 
 
+def _plain_text(data: Path) -> bool:
+    """A text file, or a folder holding text files only (read as documents, not rows)."""
+    if data.is_dir():
+        files = [file for file in data.rglob("*") if file.is_file() and not file.name.startswith(".")]
+        return bool(files) and all(file.suffix.lower() in TEXT_SUFFIXES for file in files)
+    return data.suffix.lower() in TEXT_SUFFIXES
+
+
+def _instruction_blocks(job: Job, data: Path, columns: InstructionColumns) -> BlockExamples:
+    """One block per instruction of the file, labelled on its response (as training labelled them)."""
+    found = list(documents("instruction-file", {"path": str(data), "prompt_field": columns.prompt,
+                                                "response_field": columns.response,
+                                                "messages_field": columns.messages}))
+    if not found:
+        raise UserError(f"--data {data} holds no instruction", "give it rows of prompts and responses")
+    return instruction_blocks(found, dev.job_base_model(job).tokenizer, job.recipe.data.context_length)
+
+
 def _text_blocks(job: Job, data: Path, column: str) -> torch.Tensor:
     """The file's (or folder's) documents as blocks of the run's context length."""
-    if data.is_dir():
-        texts = list(documents("text-folder", {"path": str(data)}))
-    elif data.suffix.lower() == ".jsonl":
-        texts = list(documents("jsonl", {"path": str(data), "text_field": column}))
-    elif data.suffix.lower() in TEXT_SUFFIXES:
-        texts = [_read_text(data)]
-    else:
-        raise UserError(f"--data {data} is neither text ({', '.join(TEXT_SUFFIXES)}) nor JSONL",
-                        "pass a .txt, .md or .jsonl file, or a folder of text files")
+    texts = [_read_text(data)] if data.is_file() and data.suffix.lower() in TEXT_SUFFIXES else \
+        list(documents("files", {"path": str(data), "text_field": column}))
     tokenizer = dev.job_base_model(job).tokenizer
     stream = [token for text in texts if text.strip()
               for token in (*tokenizer(text, add_special_tokens=False)["input_ids"], tokenizer.eos_token_id)]
@@ -170,9 +215,11 @@ def _method_scores(job: Job, recipe: Recipe, examples: Any) -> dict[str, dict[st
     return scores
 
 
-def _perplexity(model: nn.Module, blocks: torch.Tensor, batch_size: int) -> dict[str, float | None]:
-    nll = block_nll(model, blocks, batch_size)
-    return {"perplexity": perplexity_of(nll, blocks.shape[1]), "nll_se": nll_standard_error(nll, blocks.shape[1])}
+def _perplexity(model: nn.Module, blocks: torch.Tensor | BlockExamples, batch_size: int
+                ) -> dict[str, float | None]:
+    """exp of the mean NLL over the scored tokens, and the standard error of the blocks' mean NLL."""
+    losses = score_blocks(model, blocks, batch_size)
+    return {"perplexity": losses.perplexity(), "nll_se": losses.standard_error()}
 
 
 def _task_score(model: nn.Module, examples: ClientExamples, recipe: Recipe, client: int) -> dict[str, float | None]:
@@ -184,4 +231,4 @@ def _task_score(model: nn.Module, examples: ClientExamples, recipe: Recipe, clie
     return {spec.metric: reported(spec.metric, task_score(spec.metric, predictions.numpy(), labels.numpy()))}
 
 
-__all__ = ["EVAL_FILE", "FileScores", "score_file"]
+__all__ = ["EVAL_FILE", "FileScores", "InstructionColumns", "score_file"]

@@ -127,6 +127,52 @@ def test_eval_data_gives_each_users_perplexity_on_the_file(trained_run, tmp_path
         assert f"{written['methods'][METHOD][user]['perplexity']:.2f}" in result.output
 
 
+@pytest.mark.parametrize("fmt", ["csv", "parquet", "jsonl"])
+def test_eval_data_reads_the_formats_training_reads(trained_run, tmp_path, fmt):
+    """Rows of a CSV, Parquet or JSON-lines file are documents, as the files source reads them for training:
+    the same perplexity as the same documents in a folder of text files."""
+    import pandas
+
+    paragraphs = [part for part in (DOCS / "hermes.md").read_text(encoding="utf-8").split("\n\n") if part.strip()][:8]
+    table = pandas.DataFrame({"body": paragraphs})
+    data = tmp_path / f"mine.{fmt}"
+    {"csv": lambda: table.to_csv(data, index=False), "parquet": lambda: table.to_parquet(data),
+     "jsonl": lambda: table.to_json(data, orient="records", lines=True)}[fmt]()
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    for index, paragraph in enumerate(paragraphs):
+        (folder / f"{index:02d}.txt").write_text(paragraph, encoding="utf-8")
+    rows = cli.invoke(app, ["eval", str(trained_run), "--data", str(data), "--text-column", "body", "--out",
+                            str(tmp_path / "rows.json")])
+    texts = cli.invoke(app, ["eval", str(trained_run), "--data", str(folder), "--out", str(tmp_path / "texts.json")])
+    assert rows.exit_code == 0 and texts.exit_code == 0, rows.output + texts.output
+    by_rows, by_texts = (json.loads((tmp_path / name).read_text()) for name in ("rows.json", "texts.json"))
+    assert by_rows["tokens"] == by_texts["tokens"] > 0
+    assert by_rows["methods"] == by_texts["methods"]
+
+
+def test_eval_data_scores_an_instruction_file_on_its_responses_only(trained_run, tmp_path):
+    data = tmp_path / "qa.csv"
+    data.write_text("question,answer\nwhat is two and two,four\nname a colour,blue\n", encoding="utf-8")
+    result = cli.invoke(app, ["eval", str(trained_run), "--data", str(data), "--prompt-column", "question",
+                              "--response-column", "answer", "--out", str(tmp_path / "qa.json")])
+    assert result.exit_code == 0, result.output
+    written = json.loads((tmp_path / "qa.json").read_text())
+    tokenizer = byte_tokenizer()  # no chat template: "prompt\n\nresponse<eos>", the response and <eos> scored
+    assert (written["instructions"], written["response_tokens"]) == (2, len("four") + 1 + len("blue") + 1)
+    model = open_user_model(trained_run, METHOD, "code").model
+    nll, count = 0.0, 0
+    for prompt, response in (("what is two and two", "four"), ("name a colour", "blue")):
+        prompt_ids = tokenizer(prompt + "\n\n", add_special_tokens=False)["input_ids"]
+        ids = torch.tensor([prompt_ids + tokenizer(response, add_special_tokens=False)["input_ids"]
+                            + [tokenizer.eos_token_id]])
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0, len(prompt_ids) - 1:-1]
+        nll += float(torch.nn.functional.cross_entropy(logits, ids[0, len(prompt_ids):], reduction="sum"))
+        count += ids.shape[1] - len(prompt_ids)
+    assert written["methods"][METHOD]["code"]["perplexity"] == pytest.approx(math.exp(nll / count), rel=1e-4)
+
+
 def test_eval_data_scores_a_classifier_on_a_labelled_file(classification_run, tmp_path):
     from ondevice_moe.models.registry import load_base_model
 
@@ -158,6 +204,8 @@ def test_eval_data_scores_a_classifier_on_a_labelled_file(classification_run, tm
     (["--data", "{tmp}/short.txt", "--split", "valid"], "drop --suite and --split"),
     (["--data", "{tmp}/short.txt", "--out", "{tmp}/no/eval.json"], "does not exist"),
     (["--out", "{tmp}/eval.json"], "add --data FILE"),
+    (["--response-column", "a"], "add --data FILE"),
+    (["--data", "{tmp}/short.txt", "--text-column", "t", "--response-column", "a"], "or the prompt/response"),
     (["--suite", "glue"], "does not fit this language-modelling run"),
 ])
 def test_bad_eval_options_are_one_clear_error(trained_run, tmp_path, arguments, problem):
