@@ -270,18 +270,11 @@ def test_byzantine_benchmark_runs_an_attack_against_a_rule_for_one_round(monkeyp
     assert "| inflated-count 10 % |" in (tmp_path / "byzantine.md").read_text()
 
 
-def test_generate_benchmark_times_ours_against_the_peft_export(saved_tiny_models, tmp_path, monkeypatch, capsys):
-    from ondevice_moe.recipe import load_recipe
-    from ondevice_moe.runner import run_recipe
-
+def test_generate_benchmark_times_ours_against_the_peft_export(tiny_llama_run, monkeypatch, capsys):
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     import generate
 
-    recipe = load_recipe(Path(__file__).parent / "recipes" / "tiny.yaml", [
-        f"model.name={saved_tiny_models['tiny-llama']}", "federation.rounds=1", "federation.local_iterations=1",
-        "methods=[{name: comigs, variant: 1G1S}]"])
-    run = run_recipe(recipe, tmp_path / "tiny").run_dir
-    figures = generate.main(["--run", str(run), "--tokens", "4", "--repeats", "1"])
+    figures = generate.main(["--run", str(tiny_llama_run), "--tokens", "4", "--repeats", "1"])
     assert figures["cache"] and figures["user"] == "code"
     assert set(figures["tokens_per_s"]) == set(generate.SIDES) and min(figures["tokens_per_s"].values()) > 0
     last = capsys.readouterr().out.strip().splitlines()[-1]

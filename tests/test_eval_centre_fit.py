@@ -1,7 +1,6 @@
 """eval/centre_fit.py: each centre's perplexity on every device's training and test blocks."""
 
 import math
-from pathlib import Path
 
 import pytest
 from eval_scripts import load_eval_script
@@ -9,11 +8,9 @@ from eval_scripts import load_eval_script
 from ondevice_moe import runner
 from ondevice_moe.federation import device as dev
 from ondevice_moe.likelihood import block_nll
-from ondevice_moe.recipe import load_recipe
 
 centre_fit = load_eval_script("centre_fit")
 
-TINY = Path(__file__).parent / "recipes" / "tiny-fedsoft-lm.yaml"
 
 
 def test_a_devices_centre_is_its_last_choice_or_its_largest_weight():
@@ -36,9 +33,8 @@ def test_won_by_memory_means_best_on_training_blocks_and_not_on_test_blocks():
     assert not behind.wins_training and not behind.won_by_memory
 
 
-def test_a_finished_run_is_scored_from_its_saved_centres(tmp_path, capsys):
-    run = tmp_path / "run"
-    runner.run_recipe(load_recipe(TINY, ["methods=[ifca]"]), run)
+def test_a_finished_run_is_scored_from_its_saved_centres(ifca_run, capsys):
+    run = ifca_run
     [fits] = centre_fit.centre_fits(run, None).values()
     job = next(j for j in runner.finished_jobs(run)[1] if j.method.name == "ifca")
     assert [fit.user for fit in fits] == job.recipe.user_names

@@ -1,7 +1,6 @@
 """eval/new_users.py: a new single-domain user picks a centre on half its blocks, scored on the rest."""
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,11 +12,9 @@ from ondevice_moe.errors import UserError
 from ondevice_moe.federation import device as dev
 from ondevice_moe.likelihood import block_nll
 from ondevice_moe.methods.fedsoft import procedure as centres_side
-from ondevice_moe.recipe import load_recipe
 
 new_users = load_eval_script("new_users")
 
-TINY = Path(__file__).parent / "recipes" / "tiny-fedsoft-lm.yaml"
 
 
 def test_the_pick_is_made_on_the_first_half_and_judged_on_the_second():
@@ -40,9 +37,8 @@ def test_a_pick_needs_two_centres_and_two_blocks():
         new_users.pick_centre(torch.ones(1, 4), "news")
 
 
-def test_a_finished_run_is_scored_from_its_saved_centres(tmp_path, capsys):
-    run = tmp_path / "run"
-    runner.run_recipe(load_recipe(TINY, ["methods=[ifca]"]), run)
+def test_a_finished_run_is_scored_from_its_saved_centres(ifca_run, capsys):
+    run = ifca_run
     picks = new_users.new_user_picks(run, None)["ifca"]
     job = next(j for j in runner.finished_jobs(run)[1] if j.method.name == "ifca")
     model = dev.build_model(job, 0)

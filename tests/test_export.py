@@ -23,17 +23,14 @@ from ondevice_moe.federation.evaluation import evaluate_device, user_values
 from ondevice_moe.federation.job import Job
 from ondevice_moe.recipe import load_recipe
 from ondevice_moe.report import MetricsLog
-from ondevice_moe.runner import run_recipe
 
 TINY = Path(__file__).parent / "recipes" / "tiny.yaml"
 runner = CliRunner()
 
 
 @pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory, saved_tiny_models):
-    recipe = load_recipe(TINY, [f"model.name={saved_tiny_models['tiny-llama']}", "federation.rounds=1",
-                                "federation.local_iterations=1", "methods=[fedavg, {name: comigs, variant: 1G1S}]"])
-    return run_recipe(recipe, tmp_path_factory.mktemp("run") / "tiny").run_dir
+def tiny_run(tiny_llama_run):
+    return tiny_llama_run
 
 
 def _export(run: Path, to: Path, *options: str, method: str = "comigs-1G1S", user: str = "news"):

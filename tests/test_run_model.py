@@ -1,23 +1,16 @@
 """Opening one user's trained model from a finished run."""
 
-from pathlib import Path
 
 import pytest
 import torch
 
 from ondevice_moe.errors import UserError
-from ondevice_moe.recipe import load_recipe
 from ondevice_moe.run_model import open_user_model
-from ondevice_moe.runner import run_recipe
-
-TINY = Path(__file__).parent / "recipes" / "tiny.yaml"
 
 
-@pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory):
-    recipe = load_recipe(TINY, ["federation.rounds=1", "federation.local_iterations=1",
-                                "methods=[{name: comigs, variant: 1G1S}]"])
-    return run_recipe(recipe, tmp_path_factory.mktemp("run") / "tiny").run_dir
+@pytest.fixture
+def tiny_run(tiny_llama_run):
+    return tiny_llama_run
 
 
 def test_a_users_model_carries_its_devices_checkpoint(tiny_run):
@@ -31,7 +24,7 @@ def test_a_users_model_carries_its_devices_checkpoint(tiny_run):
 
 
 @pytest.mark.parametrize(("method", "user", "expected"), [
-    ("fedprox", "news", "use one of: comigs-1G1S"),
+    ("fedprox", "news", "use one of: fedavg, comigs-1G1S"),
     ("comigs-1G1S", "sports", "use one of: code, news, reviews"),
 ])
 def test_unknown_method_or_user_names_the_choices(tiny_run, method, user, expected):

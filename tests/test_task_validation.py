@@ -223,8 +223,8 @@ def test_lr_sweep_on_digits_chooses_on_the_validation_split_and_tests_the_choice
     out = tmp_path / "sweep"
     sets = ["--set", "federation.rounds=2", "--set", "federation.eval_every=2", "--set", "task.valid_examples=240",
             "--set", "methods=[fed-ft, flow]"]
-    lr_sweep.main([str(FLOW), "--rates", "1e-4", "0.1", "--out", str(out), *sets, "--test-seeds", "0", "1",
-                   "--against", "fed-ft"])
+    lr_sweep.main([str(FLOW), "--rates", "1e-4", "0.1", "--out", str(out), *sets, "--test-seeds", "0",
+                   "--against", "fed-ft"])  # seed 0 re-scored from the sweep's checkpoints (a new seed: the LM test)
     printed = capsys.readouterr().out
     valid = {rate: json.loads((out / f"valid-lr{rate:g}-s0" / "summary.json").read_text()) for rate in (1e-4, 0.1)}
     assert all(summary["eval_split"] == "valid" for summary in valid.values())
@@ -232,7 +232,6 @@ def test_lr_sweep_on_digits_chooses_on_the_validation_split_and_tests_the_choice
     for method, rate in best.items():  # each method's highest validation accuracy
         assert valid[rate]["methods"][method]["mean_score"] == max(
             summary["methods"][method]["mean_score"] for summary in valid.values())
-        for seed in (0, 1):
-            summary = json.loads((out / f"test-lr{rate:g}-s{seed}" / "summary.json").read_text())
-            assert summary["eval_split"] == "test" and method in summary["methods"]
+        summary = json.loads((out / f"test-lr{rate:g}-s0" / "summary.json").read_text())
+        assert summary["eval_split"] == "test" and method in summary["methods"]
     assert "Validation accuracy (task.eval_split: valid)" in printed and "Test accuracy" in printed
