@@ -48,7 +48,8 @@ def build(kind: str, base, batch) -> Configuration:
 def upload_bytes(base) -> dict[str, int]:
     """Bytes a device sends per round: CoMiGS-1G1S (generalists + attention LoRA) and FedAvg (everything)."""
     sizes = {}
-    for name, trainer in ((OURS, comigs_trainer(base, variant="1G1S")), ("fedavg", comigs_trainer(base, "fedavg"))):
+    sides = ((OURS, comigs_trainer(base, variant="1G1S")), ("fedavg", comigs_trainer(base, "fedavg-two-lora")))
+    for name, trainer in sides:
         sizes[name] = sum(t.numel() * t.element_size() for t in shared_state(trainer).values())
     return sizes
 

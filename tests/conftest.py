@@ -76,13 +76,14 @@ def runs_on_each_split(tmp_path_factory):
 def tiny_llama_run(tmp_path_factory, saved_tiny_models) -> Path:
     """One finished run the tests that only read a run share (export, opening a user's model, the generate
     benchmark): the tiny recipe on a saved tiny LLaMA (it loads through ``from_pretrained``, as PEFT's
-    loaders need), FedAvg and CoMiGS-1G1S, one round of one step. Tests write beside it, never into it."""
+    loaders need), FedAvg, CoMiGS-1G1S and the two-module FedAvg, one round of one step. Tests write beside it,
+    never into it."""
     from ondevice_moe.recipe import load_recipe
     from ondevice_moe.runner import run_recipe
 
     recipe = load_recipe(Path(__file__).parent / "recipes" / "tiny.yaml", [
         f"model.name={saved_tiny_models['tiny-llama']}", "federation.rounds=1", "federation.local_iterations=1",
-        "methods=[fedavg, {name: comigs, variant: 1G1S}]"])
+        "methods=[fedavg, {name: comigs, variant: 1G1S}, fedavg-two-lora]"])
     return run_recipe(recipe, tmp_path_factory.mktemp("tiny-llama-run") / "tiny").run_dir
 
 

@@ -5,7 +5,8 @@ walk every such method."""
 from pathlib import Path
 
 LANGUAGE_MODELLING = [
-    "local", "fedavg", "local-moe", "fedavg-moe", "pfedmoe", "fdlora", "ffa-lora", "fedsa-lora", "pcl",
+    "local", "fedavg", "fedavg-two-lora", "local-moe", "fedavg-moe", "pfedmoe", "fdlora", "ffa-lora", "fedsa-lora",
+    "pcl",
     {"name": "hetlora", "ranks": [4, 2]}, {"name": "flexlora", "ranks": [4, 2]},
     "fed-lora", "fed-adapter", "fed-prefix", "fed-unipelt", "hermes", {"name": "comigs", "variant": "1G1S"},
     {"name": "floral", "clusters": 2, "train_base": False}, {"name": "local-adaptor", "train_base": False},

@@ -97,7 +97,7 @@ def test_the_card_describes_the_run(tiny_run, tmp_path, saved_tiny_models):
 
 
 def test_peft_only_writes_adapters_and_the_card(tiny_run, tmp_path):
-    result = _export(tiny_run, tmp_path / "out", "--format", "peft", method="fedavg")
+    result = _export(tiny_run, tmp_path / "out", "--format", "peft", method="fedavg-two-lora")
     assert result.exit_code == 0, result.output
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
         WRITTEN_LIST, "README.md", "adapter_config.json", "adapter_model.safetensors"]
@@ -105,22 +105,25 @@ def test_peft_only_writes_adapters_and_the_card(tiny_run, tmp_path):
     assert "load_adapted(None" not in card and "A mixture of MLP experts has no exact PEFT form" in card
 
 
-def test_fedavgs_adapter_loads_by_itself_and_is_its_experts_merged(tiny_run, tmp_path, saved_tiny_models):
-    """AutoPeftModelForCausalLM finds the base by the name the export wrote (here a local folder) and
-    gives FedAvg's two experts merged at their weights, 1/2: the model the card measures."""
+def test_fedavgs_export_loads_by_itself_and_scores_the_runs_perplexity(tiny_run, tmp_path, saved_tiny_models):
+    """FedAvg is one LoRA per targeted module: AutoPeftModelForCausalLM, finding the base by the name the
+    export wrote (here a local folder), gives the user's test perplexity of the run to 4 decimals."""
     from peft import AutoPeftModelForCausalLM
 
-    from ondevice_moe.export.mixture_gap import merged_model
+    from ondevice_moe.federation import device as dev
+    from ondevice_moe.likelihood import score_blocks
     from ondevice_moe.run_model import open_user_model
 
-    assert _export(tiny_run, tmp_path / "out", method="fedavg").exit_code == 0
+    assert _export(tiny_run, tmp_path / "out", "--format", "peft", method="fedavg").exit_code == 0
     config = json.loads((tmp_path / "out" / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == str(saved_tiny_models["tiny-llama"])
-    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
-    merged = merged_model(open_user_model(tiny_run, "fedavg", "news").model, 0.5)
-    with torch.no_grad():
-        torch.testing.assert_close(AutoPeftModelForCausalLM.from_pretrained(tmp_path / "out")(ids).logits,
-                                   merged(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+    assert "holds the whole adapted model: no router mixes experts" in (tmp_path / "out" / "README.md").read_text()
+    job = open_user_model(tiny_run, "fedavg", "news").job
+    loaded = AutoPeftModelForCausalLM.from_pretrained(tmp_path / "out")
+    perplexity = score_blocks(loaded, dev.eval_examples(job, 1), 8).perplexity()
+    logged = [r for r in MetricsLog(tiny_run / "metrics.jsonl").read()
+              if r["kind"] == "eval" and r["method"] == "fedavg" and r["user"] == "news"][-1]
+    assert round(perplexity, 4) == round(logged["test_ppl_in"], 4)
 
 
 def test_force_never_touches_a_folder_no_export_wrote(tiny_run, tmp_path):

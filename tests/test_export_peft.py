@@ -73,8 +73,8 @@ def _write(user_model: UserModel, selected: dict[str, Part], adapter: PeftAdapte
     ("tiny.yaml", ["model.name=tiny-llama", ONE_MLP_EXPERT]),
     ("tiny.yaml", ["methods=[fed-lora]"]),  # LoRA on the query and value projections, α/r
     ("tiny-classification.yaml", ["methods=[fed-lora]"]),  # BERT, with its head and pooler
-    ("tiny.yaml", ["methods=[{name: fedavg, single_adapter: true}]"]),  # one LoRA of rank 2r in the MLP
-], ids=["gpt2-mlp", "llama-mlp", "gpt2-qv", "bert-classifier", "fedavg-single-adapter"])
+    ("tiny.yaml", ["methods=[fedavg]"]),  # one LoRA of rank 2r in the MLP
+], ids=["gpt2-mlp", "llama-mlp", "gpt2-qv", "bert-classifier", "fedavg"])
 def test_a_single_expert_in_peft_gives_the_toolkits_logits(tmp_path, recipe, overrides):
     user_model = _user_model(recipe, overrides, tmp_path)
     selected, [adapter] = _adapters(user_model)
@@ -225,10 +225,10 @@ def test_fixed_weight_experts_sharing_a_layer_are_one_exact_peft_adapter(tmp_pat
                                    rtol=1e-5, atol=1e-5)
 
 
-def test_fedavg_exports_one_adapter_its_experts_merged_at_their_fixed_weights(tmp_path):
-    """FedAvg's two MLP experts at w = 1/2: one PEFT adapter, the merge the card measures; not
+def test_two_lora_fedavg_exports_one_adapter_its_experts_merged_at_their_fixed_weights(tmp_path):
+    """The two-module FedAvg's MLP experts at w = 1/2: one PEFT adapter, the merge the card measures; not
     the trained model, since each expert's MLP runs its nonlinearity between its own LoRAs."""
-    user_model = _user_model("tiny.yaml", ["methods=[fedavg]"], tmp_path)
+    user_model = _user_model("tiny.yaml", ["methods=[fedavg-two-lora]"], tmp_path)
     selected, adapters = _adapters(user_model, "shared")
     assert adapters == [PeftAdapter("merged", ("shared_0", "shared_1", "shared"), merged=True, exact=False)]
     folder = _write(user_model, selected, adapters[0], tmp_path / "merged")
@@ -239,14 +239,14 @@ def test_fedavg_exports_one_adapter_its_experts_merged_at_their_fixed_weights(tm
         assert (got - _outputs(user_model, user_model.model)).abs().max() > 1e-4
 
 
-def test_fedavgs_single_adapter_trains_as_many_parameters_as_its_two_modules(tmp_path):
-    two = _user_model("tiny.yaml", ["methods=[fedavg]"], tmp_path)
-    one = _user_model("tiny.yaml", ["methods=[{name: fedavg, single_adapter: true}]"], tmp_path)
+def test_fedavg_is_one_adapter_with_as_many_parameters_as_the_two_module_fedavg(tmp_path):
+    two = _user_model("tiny.yaml", ["methods=[fedavg-two-lora]"], tmp_path)
+    one = _user_model("tiny.yaml", ["methods=[fedavg]"], tmp_path)
 
     def trained(user_model: UserModel) -> int:
         return sum(p.numel() for p in user_model.model.parameters() if p.requires_grad)
 
-    assert one.job.method.name == "fedavg-single-adapter"
+    assert (one.job.method.name, two.job.method.name) == ("fedavg", "fedavg-two-lora")
     assert trained(one) == trained(two)
     _, [adapter] = _adapters(one, "shared")
     assert adapter.exact and not adapter.merged

@@ -56,7 +56,7 @@ def test_comigs_2s_shares_nothing_and_2g_everything_but_routers(tiny_model):
 
 
 def test_comigs_halves_upload_against_fedavg(tiny_model):
-    fedavg = _shared_names(tiny_model, "fedavg")
+    fedavg = _shared_names(tiny_model, "fedavg-two-lora")  # the paper's FedAvg, two modules per MLP
     comigs = _shared_names(tiny_model, "comigs")
     mlp = [n for n in fedavg if ".experts." in n]
     assert len([n for n in comigs if ".experts." in n]) * 2 == len(mlp)

@@ -21,7 +21,6 @@ from ondevice_moe.methods.comigs import baselines as comigs_baselines
 from ondevice_moe.methods.comigs.config import (
     CoMiGSOptions,
     FedAvgMoEOptions,
-    FedAvgOptions,
     HeterogeneousRankOptions,
     HetLoRAOptions,
     LoRABaselineOptions,
@@ -51,7 +50,8 @@ _SMALL = frozenset({SMALL})
 BUILT_IN: dict[str, MethodSpec] = {
     "pretrained": MethodSpec(LoRABaselineOptions, comigs_baselines.pretrained, _ANY, "experts"),
     "local": MethodSpec(LoRABaselineOptions, comigs_baselines.local, _LM, "experts"),
-    "fedavg": MethodSpec(FedAvgOptions, comigs_baselines.fedavg, _LM, "experts"),
+    "fedavg": MethodSpec(LoRABaselineOptions, comigs_baselines.fedavg, _LM, "experts"),
+    "fedavg-two-lora": MethodSpec(LoRABaselineOptions, comigs_baselines.fedavg_two_lora, _LM, "experts"),
     "local-moe": MethodSpec(MoEBaselineOptions, comigs_baselines.local_moe, _LM, "experts"),
     "fedavg-moe": MethodSpec(FedAvgMoEOptions, comigs_baselines.fedavg_moe, _LM, "experts"),
     "pfedmoe": MethodSpec(LoRABaselineOptions, comigs_baselines.pfedmoe, _LM, "experts"),

@@ -2,7 +2,9 @@
 
 Every trained baseline holds two LoRA modules in each MLP, matching the
 trainable parameter count of CoMiGS-1G1S as the paper does; methods without
-routing mix them with fixed equal weights.
+routing mix them with fixed equal weights. The one exception is ``fedavg``, FedAvg
+as PEFT users know it: one LoRA of twice the rank per MLP linear (the same
+parameters); the paper's two-module FedAvg is ``fedavg-two-lora``.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ from ondevice_moe.layout import ExpertSpec, lora_experts
 from ondevice_moe.methods.base import Method, MethodContext, Procedure, Sharing, same_for_all
 from ondevice_moe.methods.comigs.config import (
     FedAvgMoEOptions,
-    FedAvgOptions,
     HeterogeneousRankOptions,
     HetLoRAOptions,
     LoRASizes,
@@ -42,21 +43,22 @@ def local(options: LoRASizes, context: MethodContext) -> Method:
     return Method("local", same_for_all(context.num_users, layout))
 
 
-def fedavg(options: FedAvgOptions, context: MethodContext) -> Method:
-    """FedAvg (McMahan et al., 2017) of two LoRA modules, or of one of twice the rank
-    (``single_adapter``, named ``fedavg-single-adapter``)."""
-    if options.single_adapter:
-        layout = lora_layout(options, (ExpertSpec("lora", "shared", rank=2 * options.lora_rank),), "uniform", "shared")
-        return Method("fedavg-single-adapter", same_for_all(context.num_users, layout),
-                      server_rule=ServerRule(context.weighting))
-    return _fedavg_of_two(options, context)
-
-
-def _fedavg_of_two(options: LoRASizes, context: MethodContext) -> Method:
-    """FedAvg of two LoRA modules at fixed weights ½: the paper's baseline, and the base of
-    FFA-LoRA, FedSA-LoRA and the centralized bound."""
-    layout = lora_layout(options, SHARED_PAIR, "uniform", "shared")
+def fedavg(options: LoRASizes, context: MethodContext) -> Method:
+    """FedAvg (McMahan et al., 2017) as PEFT users know it: one shared LoRA on each targeted module
+    (rank 2r on each MLP linear, rank r on attention), averaged each round — the FlowerTune baseline.
+    The same trainable parameters as CoMiGS-1G1S and as :func:`fedavg_two_lora`; the trained model
+    *is* one PEFT adapter, so its export reproduces its figures exactly."""
+    layout = lora_layout(options, (ExpertSpec("lora", "shared", rank=2 * options.lora_rank),), "uniform", "shared")
     return Method("fedavg", same_for_all(context.num_users, layout), server_rule=ServerRule(context.weighting))
+
+
+def fedavg_two_lora(options: LoRASizes, context: MethodContext) -> Method:
+    """FedAvg of two LoRA modules per MLP at fixed weights ½ (CoMiGS Table 2's FedAvg, matching the
+    parameters of its two experts), and the base of FFA-LoRA, FedSA-LoRA and the centralized bound.
+    Each module's MLP runs the nonlinearity between its own LoRAs, so it exports merged at ½, which
+    approximates the trained model (docs/export.md measures the gap)."""
+    layout = lora_layout(options, SHARED_PAIR, "uniform", "shared")
+    return Method("fedavg-two-lora", same_for_all(context.num_users, layout), server_rule=ServerRule(context.weighting))
 
 
 def _moe_procedure(options: MoEBaselineOptions) -> Procedure:
@@ -116,19 +118,19 @@ def fdlora(options: LoRASizes, context: MethodContext) -> Method:
 
 def ffa_lora(options: LoRASizes, context: MethodContext) -> Method:
     """FFA-LoRA (Sun et al., 2024): A frozen at its shared random init, B averaged."""
-    return replace(_fedavg_of_two(options, context), name="ffa-lora",
+    return replace(fedavg_two_lora(options, context), name="ffa-lora",
                    sharing=Sharing(frozen_matrices=frozenset({"lora_A"})))
 
 
 def fedsa_lora(options: LoRASizes, context: MethodContext) -> Method:
     """FedSA-LoRA (Guo et al., 2024): A averaged, B kept on the device."""
-    return replace(_fedavg_of_two(options, context), name="fedsa-lora",
+    return replace(fedavg_two_lora(options, context), name="fedsa-lora",
                    sharing=Sharing(private_matrices=frozenset({"lora_B"})))
 
 
 def centralized(options: LoRASizes, context: MethodContext) -> Method:
     """Upper bound: one model trained on the pooled training data of all users."""
-    method = _fedavg_of_two(options, replace(context, num_users=1))
+    method = fedavg_two_lora(options, replace(context, num_users=1))
     return replace(method, name="centralized", centralized=True)
 
 

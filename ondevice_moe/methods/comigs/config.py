@@ -28,16 +28,6 @@ class LoRABaselineOptions(MethodOptions, LoRASizes):
     """Options of the CoMiGS baselines: the LoRA sizes and a label."""
 
 
-class FedAvgOptions(LoRABaselineOptions):
-    """``single_adapter``: one shared LoRA of rank 2r on each MLP linear in place of the paper's
-    two rank-r LoRA modules mixed at ½ each: the same trainable parameters, and the trained model
-    *is* one PEFT adapter, so its export reproduces its figures exactly. Two modules export
-    merged at ½, which is not the trained model (each module's MLP runs the nonlinearity between
-    its own LoRAs; docs/export.md measures the gap). Default: the paper's two modules."""
-
-    single_adapter: bool = False
-
-
 class MoEBaselineOptions(LoRABaselineOptions):
     """``alternate_on_train``: the ``-tr`` rows of CoMiGS Table 5 (III) — routers
     updated in alternation with the experts, every τ iterations for s steps, on
