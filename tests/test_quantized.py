@@ -56,3 +56,17 @@ def test_experts_train_on_a_quantized_base(saved_tiny_models, quantization, name
 def test_a_model_built_in_memory_is_not_silently_left_unquantized(name):
     with pytest.raises(UserError, match=r"cannot be quantized(.|\n)*save_pretrained"):
         load_base_model(name, quantization="nf4", num_labels=10, input_shape=(64,))
+
+
+def test_a_quantized_base_without_bitsandbytes_names_the_extra(saved_tiny_models, monkeypatch):
+    import importlib.util
+
+    from ondevice_moe.errors import UserError
+
+    real = importlib.util.find_spec
+    missing = {"bitsandbytes"}
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in missing else real(name, *a))
+    with pytest.raises(UserError) as error:
+        load_base_model(str(saved_tiny_models["tiny-llama"]), "float32", "nf4")
+    assert "model.quantization: nf4 needs bitsandbytes" in error.value.problem
+    assert "ondevice-moe[quant]" in error.value.fix

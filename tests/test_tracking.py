@@ -31,7 +31,8 @@ from ondevice_moe.tracking.scalars import Scalar, scalars
 ROOT = Path(__file__).parent.parent
 TINY_DIGITS = Path(__file__).parent / "recipes" / "tiny-digits.yaml"
 METHOD, ROUNDS, STEPS, DEVICES = "fed-ft", 2, 3, 4
-OVERRIDES = ["logging.tensorboard=true", "logging.mlflow=true", f"methods=[{METHOD}]", "federation.local_epochs=null",
+OVERRIDES = ["logging.tensorboard=true", "logging.mlflow=true", "logging.wandb=true", f"methods=[{METHOD}]",
+             "federation.local_epochs=null",
              f"federation.local_iterations={STEPS}", f"federation.rounds={ROUNDS}"]
 
 
@@ -128,6 +129,43 @@ def test_the_mlflow_run_holds_every_scalar_of_the_metrics_log(tracked_run):
     assert _mlflow_curves(client, run.info.run_id, list(expected)) == expected  # exact: MLflow keeps doubles
     assert run.data.params["federation.rounds"] == str(ROUNDS) and run.data.params["seed"] == "0"
     assert [artifact.path for artifact in client.list_artifacts(run.info.run_id)] == ["recipe.yaml"]
+
+
+def _wandb_records(path: Path):
+    """The records of an offline W&B run file: W&B's LevelDB-style log (a 7-byte file header, 32 KiB blocks of
+    records, each a 7-byte header and a protobuf ``Record``, long ones in pieces)."""
+    from wandb.proto import wandb_internal_pb2
+
+    data, position, block, pending = path.read_bytes(), 7, 32768, b""
+    while position + 7 <= len(data):
+        if block - position % block < 7:  # a block's tail too short for a header is padding
+            position += block - position % block
+            continue
+        length, kind = int.from_bytes(data[position + 4:position + 6], "little"), data[position + 6]
+        payload, position = data[position + 7:position + 7 + length], position + 7 + length
+        pending = payload if kind in (1, 2) else pending + payload  # full or first piece; middle or last
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            yield record
+
+
+def test_the_offline_wandb_run_holds_every_scalar_of_the_metrics_log(tracked_run):
+    run_dir, _ = tracked_run
+    [run_file] = (run_dir / "wandb" / METHOD / "wandb").glob("offline-run-*/run-*.wandb")
+    curves: dict[str, list[tuple[int, float]]] = defaultdict(list)
+    config = {}
+    for record in _wandb_records(run_file):
+        if record.WhichOneof("record_type") == "history":
+            row = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+            for tag, value in row.items():
+                if "/" in tag:
+                    curves[tag].append((row["device_step" if tag.startswith("step/") else "round"], float(value)))
+        elif record.WhichOneof("record_type") == "run":
+            config = {item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                      for item in record.run.config.update}
+    assert {tag: sorted(curve) for tag, curve in curves.items()} == _expected(run_dir)
+    assert config["federation.rounds"] == str(ROUNDS)
 
 
 def test_a_resumed_method_replaces_its_earlier_attempt_in_both_trackers(tracked_run, tmp_path):
@@ -233,3 +271,16 @@ def test_an_mlflow_uri_without_mlflow_is_one_clear_error():
     with pytest.raises(UserError) as caught:
         validate_recipe(raw)
     assert "logging.mlflow is false" in str(caught.value) and "mlflow: true" in str(caught.value)
+
+
+@pytest.mark.parametrize(("setting", "module"), [("tensorboard", "tensorboard"), ("mlflow", "mlflow"),
+                                                 ("wandb", "wandb")])
+def test_a_tracker_whose_package_is_missing_names_the_extra(tmp_path, monkeypatch, setting, module):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == module else real(name, *a))
+    section = LoggingSection(**{setting: True})
+    with pytest.raises(UserError) as error, tracked_log(tmp_path / "metrics.jsonl", section, "e", "m", {}):
+        pass
+    assert f"logging.{setting} needs {module}" in str(error.value) and "ondevice-moe[tracking]" in error.value.fix

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from ondevice_moe.errors import UserError
+from ondevice_moe.extras import require
 from ondevice_moe.models.custom_code import refuse_custom_code, refuse_mapped_code
 from ondevice_moe.models.devices import resolve_device
 from ondevice_moe.models.gguf_cache import cached_gguf_folder, file_sha256
@@ -319,6 +320,8 @@ def _bnb_config(quantization: Quantization, dtype: str, classifier: bool):
     A causal LM keeps transformers' default skips (the output embeddings).
     """
     from transformers import BitsAndBytesConfig
+
+    require("bitsandbytes", f"model.quantization: {quantization}")
 
     skip = list(HEAD_MODULES) if classifier else None
     if quantization == "nf4":

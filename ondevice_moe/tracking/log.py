@@ -11,15 +11,17 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from ondevice_moe.extras import require
 from ondevice_moe.names import folder_name
 from ondevice_moe.report import MetricsLog
 from ondevice_moe.tracking.scalars import scalars
 from ondevice_moe.tracking.section import LoggingSection
-from ondevice_moe.tracking.sinks import MlflowSink, Sink, TensorBoardSink
+from ondevice_moe.tracking.sinks import MlflowSink, Sink, TensorBoardSink, WandbSink
 
 TENSORBOARD_FOLDER = "tensorboard"
 MLFLOW_DATABASE = "mlflow.db"
 MLFLOW_ARTIFACTS = "mlartifacts"
+WANDB_FOLDER = "wandb"
 
 
 class TrackedLog(MetricsLog):
@@ -50,6 +52,9 @@ def tracked_log(path: Path, section: LoggingSection, experiment: str, run: str,
         yield MetricsLog(path)
         return
     run_folder = path.parent
+    for module, wanted in (("tensorboard", section.tensorboard), ("mlflow", section.mlflow), ("wandb", section.wandb)):
+        if wanted:
+            require(module, f"logging.{module}")
     sinks: list[Sink] = []
     if section.tensorboard:
         sinks.append(TensorBoardSink(run_folder / TENSORBOARD_FOLDER / folder_name(run)))
@@ -58,6 +63,9 @@ def tracked_log(path: Path, section: LoggingSection, experiment: str, run: str,
         uri = f"sqlite:///{(run_folder / MLFLOW_DATABASE).resolve()}" if local else section.mlflow_uri
         artifacts = (run_folder / MLFLOW_ARTIFACTS).resolve().as_uri() if local else None
         sinks.append(MlflowSink(uri, experiment, run, run_folder, settings, artifacts))
+    if section.wandb:
+        sinks.append(WandbSink(run_folder / WANDB_FOLDER / folder_name(run), section.wandb_project or experiment, run,
+                               settings, section.wandb_mode))
     failed = True
     try:
         yield TrackedLog(path, sinks, section.every_step)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, model_validator
 
 
@@ -12,7 +14,10 @@ class LoggingSection(BaseModel):
     per method). ``mlflow``: an MLflow run per method (run name: the method) in the experiment named
     after the recipe, at ``mlflow_uri`` (default: the local file store ``<run folder>/mlruns``; any
     tracking URI MLflow takes, e.g. ``sqlite:///mlflow.db`` or ``http://host:5000``).
-    ``every_step``: each training step's loss too, not only each round's figures.
+    ``wandb``: a Weights & Biases run per method in project ``wandb_project`` (default: the recipe's name),
+    its files under ``<run folder>/wandb/<method>/``; ``wandb_mode`` ``offline`` (no network or account;
+    ``wandb sync`` uploads later) or ``online``.
+    ``every_step``: each training step's loss, learning rate and gradient norm too, not only each round's figures.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -20,6 +25,9 @@ class LoggingSection(BaseModel):
     tensorboard: bool = False
     mlflow: bool = False
     mlflow_uri: str | None = None
+    wandb: bool = False
+    wandb_project: str | None = None
+    wandb_mode: Literal["offline", "online"] = "offline"
     every_step: bool = True
 
     @model_validator(mode="after")
@@ -32,4 +40,4 @@ class LoggingSection(BaseModel):
     @property
     def enabled(self) -> bool:
         """Whether any tracker is on."""
-        return self.tensorboard or self.mlflow
+        return self.tensorboard or self.mlflow or self.wandb

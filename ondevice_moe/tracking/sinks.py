@@ -22,6 +22,7 @@ MLFLOW_PARAM_LENGTH = 6000  # MLflow's longest parameter value
 METHOD_TAG = "ondevice_moe.method"
 FOLDER_TAG = "ondevice_moe.run_folder"
 MLFLOW_RUNS = "mlflow_runs.json"  # in the run folder: method → its MLflow run id
+WANDB_AXES = {"step": "device_step", "round": "round"}  # a W&B curve's x axis, by the kind of its tag
 
 
 class Sink(Protocol):
@@ -115,6 +116,36 @@ class MlflowSink:
 
     def close(self, failed: bool) -> None:
         self.client.set_terminated(self.run_id, "FAILED" if failed else "FINISHED")
+
+
+class WandbSink:
+    """One Weights & Biases run named ``run`` in project ``project``, its files under ``folder`` (cleared first:
+    an earlier attempt's files go), the ``settings``' scalars as its config. ``mode`` ``offline`` (the default)
+    needs no network or account: ``wandb sync FOLDER/wandb/offline-run-*`` uploads the run later. Each curve
+    keeps its own x axis, as in the other trackers: a ``step/`` curve the device's step count
+    (``device_step``), every other curve the round (``round``)."""
+
+    def __init__(self, folder: Path, project: str, run: str, settings: Mapping[str, Any], mode: str) -> None:
+        import wandb
+
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(parents=True)
+        self.run = wandb.init(project=project, name=run, dir=str(folder), mode=mode, config=flat_settings(settings),
+                              reinit="create_new", settings=wandb.Settings(silent=True, console="off"))
+        for axis in WANDB_AXES.values():
+            self.run.define_metric(axis, hidden=True)
+        self.defined: set[str] = set()
+
+    def add(self, points: list[Scalar]) -> None:
+        for point in points:
+            axis = WANDB_AXES["step" if point.tag.startswith("step/") else "round"]
+            if point.tag not in self.defined:
+                self.run.define_metric(point.tag, step_metric=axis)
+                self.defined.add(point.tag)
+            self.run.log({point.tag: point.value, axis: point.step})
+
+    def close(self, failed: bool) -> None:
+        self.run.finish(exit_code=1 if failed else 0)
 
 
 def flat_settings(settings: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
