@@ -654,12 +654,16 @@ def _data_table(counts: list[UserCounts]) -> Table:
 
     if all(isinstance(user, TextCounts) for user in counts):
         splits = ("train", "valid", "test")
-        table = Table(title="Data per user (tokens in whole blocks, as trained and scored)")
-        for column in ("user", *(f"{split} tokens" for split in splits), "blocks train / valid / test"):
+        responses = any(user.instructions for user in counts)
+        table = Table(title="Data per user (tokens as trained and scored, padding left out)")
+        columns = ("user", *(f"{split} tokens" for split in splits), "blocks train / valid / test",
+                   *(("scored (responses) train / valid / test",) if responses else ()))
+        for column in columns:
             table.add_column(column, justify="left" if column == "user" else "right")
         for user in counts:
+            scored = (" / ".join(f"{user.scored[split]:,}" for split in splits),) if responses else ()
             table.add_row(escape(user.user), *(f"{user.tokens[split]:,}" for split in splits),
-                          " / ".join(f"{user.blocks[split]:,}" for split in splits))
+                          " / ".join(f"{user.blocks[split]:,}" for split in splits), *scored)
         return table
     table = Table(title="Data per client (examples as dealt)")
     splits = [split for split in ("train", "valid", "test") if split in counts[0].examples]

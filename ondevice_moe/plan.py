@@ -15,6 +15,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+from ondevice_moe.data.blocks import IGNORED, BlockExamples
 from ondevice_moe.data.splits import SPLITS
 from ondevice_moe.federation.device import build_model, federated_task, upload_reference, user_data
 from ondevice_moe.federation.job import Job
@@ -70,11 +71,19 @@ def device_plan(job: Job, device: int) -> DevicePlan:
 
 @dataclass(frozen=True)
 class TextCounts:
-    """A language-modelling user's data as a run reads it: blocks of ``data.context_length`` tokens per split."""
+    """A language-modelling user's data as a run reads it, per split: blocks of ``data.context_length``,
+    the real tokens in them (padding left out: an instruction fills part of its block) and the tokens the
+    loss and perplexity score (``scored``: an instruction's response; every token of text)."""
 
     user: str
     blocks: dict[str, int]
     tokens: dict[str, int]
+    scored: dict[str, int]
+
+    @property
+    def instructions(self) -> bool:
+        """Whether part of the tokens go unscored (prompts): the data are instructions."""
+        return self.scored != self.tokens
 
 
 @dataclass(frozen=True)
@@ -99,9 +108,10 @@ def data_counts(job: Job) -> list[UserCounts]:
         counts: list[UserCounts] = []
         for index, user in enumerate(recipe.user_names):
             data = user_data(job, index)
-            blocks = {split: int(data.split(split).shape[0]) for split in SPLITS}
-            tokens = {split: int(data.split(split).numel()) for split in SPLITS}
-            counts.append(TextCounts(user, blocks, tokens))
+            examples = {split: data.examples(split) for split in SPLITS}
+            counts.append(TextCounts(user, {split: len(held) for split, held in examples.items()},
+                                     {split: int(held.mask.sum()) for split, held in examples.items()},
+                                     {split: _scored_tokens(held) for split, held in examples.items()}))
         return counts
     task = federated_task(job)
     spec = task.task
@@ -109,6 +119,14 @@ def data_counts(job: Job) -> list[UserCounts]:
     return [ExampleCounts(user, {"train": len(train), "test": len(test)} | ({"valid": len(held)} if held else {}),
                           None if spec.is_regression else _label_counts(train.labels.tolist(), spec.label_names))
             for user, train, test, held in zip(recipe.user_names, task.train, task.test, valid, strict=True)]
+
+
+def _scored_tokens(examples: BlockExamples) -> int:
+    """Tokens the loss reads: each real token for text (the first of a block is context only, but a
+    block of text counts whole, as ``tokens``), an instruction's labelled response tokens."""
+    if examples.labels is None:
+        return int(examples.mask.sum())
+    return int((examples.labels != IGNORED).sum())
 
 
 def _label_counts(labels: list[float], names: tuple[str, ...]) -> dict[str, int]:

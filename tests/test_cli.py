@@ -137,3 +137,19 @@ def test_the_run_header_names_both_seeds_and_whether_the_split_follows_the_seed(
     assert "seed 7, data split seed 7 (follows seed)" in run_header(recipe, ["fedavg"]).plain
     pinned = load_recipe(BUNDLED_RECIPES / "quickstart.yaml", ["data_seed=3"], seed=7)
     assert "seed 7, data split seed 3 (data_seed)" in run_header(pinned, ["fedavg"]).plain
+
+
+def test_an_instruction_recipes_dry_run_counts_real_tokens_and_the_scored_responses():
+    from ondevice_moe.federation.device import user_data
+    from ondevice_moe.federation.job import Job
+    from ondevice_moe.plan import data_counts
+
+    recipe = load_recipe(TESTS / "tiny-instruct.yaml")
+    job = Job(recipe, 0, Path())
+    counts = data_counts(job)
+    for index, user in enumerate(counts):
+        train = user_data(job, index).examples("train")
+        assert user.tokens["train"] == int(train.attention_mask.sum()) <= train.blocks.numel()  # padding left out
+        assert 0 < user.scored["train"] < user.tokens["train"] and user.instructions  # responses only
+    result = runner.invoke(app, ["finetune", str(TESTS / "tiny-instruct.yaml"), "--dry-run"])
+    assert result.exit_code == 0 and "scored (responses)" in result.output, result.output
