@@ -60,7 +60,8 @@ from scipy import stats
 
 from ondevice_moe.errors import UserError
 from ondevice_moe.metrics import lower_is_better
-from ondevice_moe.report import CENTRE_KEY, DIVERGED, CorruptLog, MetricsLog, format_bytes, summarize
+from ondevice_moe.report import DIVERGED, CorruptLog, MetricsLog, format_bytes, summarize
+from ondevice_moe.report.summary import CENTRE_KEY
 
 SIGNIFICANCE = 0.05
 SHADOWED = "left_out"  # a joined summary's lines naming the methods an earlier folder of its ``A+B`` gave

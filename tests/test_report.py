@@ -40,7 +40,7 @@ def _records() -> list[dict]:
 
 def _drawn(monkeypatch) -> list:
     figures: list = []
-    monkeypatch.setattr(report, "save_figure", lambda figure, path: figures.append(figure) or path)
+    monkeypatch.setattr(report.plots, "save_figure", lambda figure, path: figures.append(figure) or path)
     return figures
 
 
