@@ -13,7 +13,9 @@ from ondevice_moe.methods import METHODS, method_for
 from ondevice_moe.methods.procedure import Procedure
 
 PACKAGE = Path(__file__).resolve().parents[1] / "ondevice_moe"
-CORE = ("training.py", "federation/device.py", "federation/client_app.py", "federation/evaluation.py",
+DEVICE = tuple(f"federation/device/{part}.py"
+               for part in ("__init__", "base", "data", "model", "upload", "checkpoints", "rounds"))
+CORE = ("training.py", *DEVICE, "federation/client_app.py", "federation/evaluation.py",
         "federation/strategy.py", "federation/aggregation.py", "federation/rules.py", "routing/lifecycle.py",
         "methods/base.py", "methods/procedure.py")
 # What moved into the method folders (issue 34): none of it may appear in the core again.
@@ -86,7 +88,7 @@ STILL_NAMING = {
     "report/summary.py": "the cluster centres' per-source scores (FedSoft, IFCA) kept in summary.json",
     "recipe.py": "the method families' default sections, imported from their folders",
     "layout.py": "router kinds and mixing modes named after their papers (one _attach_* per mode)",
-    "federation/device.py": "FedSoft's server checkpoints of the centres",
+    "federation/device/checkpoints.py": "FedSoft's server checkpoints of the centres",
     "federation/peers.py": "PCL's per-device slots",
     "export/bundle.py": "--centre",
     "inspect/__init__.py": "per-method notes of the routing page",

@@ -82,7 +82,7 @@ def test_the_server_builds_the_reference_without_loading_weights_or_a_gpu(saved_
         raise AssertionError("the server loaded the base model's weights")
 
     monkeypatch.setattr(registry, "load_base_model", no_weights)
-    monkeypatch.setattr(dev, "load_base_model", no_weights)
+    monkeypatch.setattr(dev.base, "load_base_model", no_weights)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     job = _job(folder, method, classification=False, device="cuda", quantization="nf4")
     assert _signature(dev.upload_reference(job, 0)) == _signature(on_cpu)
