@@ -542,13 +542,16 @@ def list_methods(
 def new_method(
     name: Annotated[str, typer.Argument(help="The method's name in recipes, e.g. fedprox.")],
     dest: Annotated[Path, typer.Argument(help="The folder to write the method's package into.")],
+    template: Annotated[str, typer.Option(
+        help="What to start from: proximal (a device-side loss term, FedProx), private-head (the head stays "
+             "on the device, FedPer), custom-rule (a server rule, FedAvgM's momentum).")] = "proximal",
 ) -> None:
-    """Scaffold a method folder (options, layout, procedure, server rule, a tiny recipe, a test) that runs as
-    generated: `ondevice-moe finetune DEST/NAME/recipe.yaml --trust-plugins`."""
+    """Scaffold a method folder (options, layout, procedure or sharing, server rule, a tiny recipe, a test) that
+    runs as generated: `ondevice-moe finetune DEST/NAME/recipe.yaml --trust-plugins`."""
     from ondevice_moe.methods.scaffold import scaffold
 
     try:
-        folder = scaffold(name, dest)
+        folder = scaffold(name, dest, template)
     except UserError as error:
         _fail(error)
     files = ", ".join(sorted(path.name for path in folder.iterdir()))

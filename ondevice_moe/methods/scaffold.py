@@ -1,11 +1,18 @@
-"""``ondevice-moe new-method NAME DEST``: a method folder that runs as generated.
+"""``ondevice-moe new-method NAME DEST [--template T]``: a method folder that runs as generated.
 
-The folder is a Python package with the three parts of every method (``docs/architecture.md``) and
-what makes it usable: ``options.py`` (its recipe options), ``method.py`` (its layout per device and
-its builder), ``procedure.py`` (its device side: FedProx's proximal term, Li et al. 2020, eq. 2, as a
-starting point), ``rule.py`` (its server rule: FedAvg), ``__init__.py`` (``METHODS``, what a recipe's
-``plugins:`` entry or a package's entry point registers), a tiny ``recipe.yaml`` that runs it beside
-FedAvg on the small digits task, and ``test_<name>.py``.
+The folder is a Python package with the parts of every method (``docs/architecture.md``) and what
+makes it usable: ``options.py`` (its recipe options), ``method.py`` (its layout per device and its
+builder), ``rule.py`` (its server rule), ``__init__.py`` (``METHODS``, what a recipe's ``plugins:``
+entry or a package's entry point registers), a tiny ``recipe.yaml`` that runs it on the small digits
+task beside the toolkit method it equals at one setting, and ``test_<name>.py`` checking that. Three
+templates (:data:`TEMPLATES`), each a different hook to start from:
+
+* ``proximal`` — a device-side change: FedProx's proximal term (Li et al. 2020, eq. 2) in
+  ``procedure.py``; at ``mu: 0`` it is FedAvg of the same adaptor (``fedavg-adaptor``).
+* ``private-head`` — a sharing change: the whole model trains, the task head never leaves the device
+  (FedPer, Arivazhagan et al. 2019); at ``private_head: false`` it is FedAvg of the whole model (``fed-ft``).
+* ``custom-rule`` — a server-side change: FedAvgM's server momentum (Hsu et al. 2019, Alg. 1) in
+  ``rule.py``; at ``beta: 0`` it is FedAvg of the same adaptor (``fedavg-adaptor``).
 """
 
 from __future__ import annotations
@@ -182,22 +189,245 @@ class _Device:
 '''
 
 
+PRIVATE_HEAD_OPTIONS = '''"""{name}'s options in a recipe's method entry (``{{name: {name}, private_head: false}}``)."""
+
+from ondevice_moe.methods.base import MethodOptions
+
+
+class Options(MethodOptions):
+    """``private_head``: the task head stays on each device (FedPer's personalisation layers); false sends
+    it too, which is FedAvg of the whole model."""
+
+    private_head: bool = True
+'''
+
+PRIVATE_HEAD_METHOD = '''"""{name} as a layout, a procedure, a server rule and a sharing policy (FedPer,
+Arivazhagan et al. 2019, §3: base layers shared, personalisation layers private)."""
+
+from ondevice_moe.methods.base import HEAD, Method, MethodContext, Procedure, Sharing, same_for_all
+
+from .options import Options
+from .rule import server_rule
+
+
+def build(options: Options, context: MethodContext) -> Method:
+    """The whole model trains on every device (no experts: layout ``None``); every tensor but the head's
+    travels and is averaged. ``Sharing.private_modules`` is the one place that says what stays home: the
+    device, the server's checks, ``--dry-run`` and export all read it."""
+    private = (HEAD,) if options.private_head else ()
+    return Method("{name}", same_for_all(context.num_users, None), Procedure(full_finetune=True),
+                  server_rule(options, context), sharing=Sharing(private_modules=private))
+'''
+
+PRIVATE_HEAD_RECIPE = '''name: {name}-tiny
+description: {name} (private heads) beside itself with shared heads (FedAvg of the whole model), on small digits.
+seed: 0
+plugins: [.]          # this folder: its METHODS register {name}
+model: {{name: mlp}}
+task: {{name: digits-rotate, clients: 4, clusters: 2, batch_size: 32, eval_batch_size: 256}}
+federation: {{rounds: 3, local_epochs: 1, cpus_per_client: 1, weighting: num_examples}}
+training: {{lr: 0.01, lr_schedule: constant}}
+methods:
+  - {name}
+  - {{name: {name}, private_head: false, label: {name}-shared-head}}
+  - fed-ft            # the toolkit's FedAvg of the whole model: equals private_head false
+'''
+
+PRIVATE_HEAD_TEST = '''"""{name} runs through Flower on the tiny recipe, and its heads stay on the devices."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def test_the_recipe_runs_through_flower_and_shared_heads_are_fedavg(tmp_path):
+    env = {{**os.environ, "HF_HUB_OFFLINE": "1"}}
+    subprocess.run([sys.executable, "-m", "ondevice_moe", "finetune", str(HERE / "recipe.yaml"), "--trust-plugins",
+                    "--output", str(tmp_path / "run")], check=True, env=env, timeout=3600)
+    methods = json.loads((tmp_path / "run" / "summary.json").read_text())["methods"]
+    assert {{"{name}", "{name}-shared-head", "fed-ft"}} <= set(methods)
+    assert methods["{name}-shared-head"]["mean_score"] == methods["fed-ft"]["mean_score"]
+
+
+def test_the_dry_run_uploads_everything_but_the_head(monkeypatch, tmp_path):
+    from ondevice_moe.methods.plugins import TRUST_ENV
+    from ondevice_moe.plan import plan_recipe
+    from ondevice_moe.recipe import load_recipe
+
+    monkeypatch.setenv(TRUST_ENV, "1")
+    plans = {{plan.name: plan.devices[0] for plan in plan_recipe(load_recipe(HERE / "recipe.yaml"), tmp_path)}}
+    private, shared = plans["{name}"], plans["{name}-shared-head"]
+    assert private.trainable == shared.trainable == shared.uploaded > private.uploaded > 0
+'''
+
+MOMENTUM_OPTIONS = '''"""{name}'s options in a recipe's method entry (``{{name: {name}, beta: 0.9}}``)."""
+
+from pydantic import Field
+
+from ondevice_moe.methods.base import MethodOptions
+
+
+class Options(MethodOptions):
+    """``beta``: the server's momentum (FedAvgM, Hsu et al. 2019, Alg. 1; 0 is FedAvg); ``budget``: the
+    relative parameter budget of the one shared adaptor on every layer; ``train_base``: the base model
+    trains with the adaptor (a small model learns its task from scratch)."""
+
+    beta: float = Field(0.9, ge=0, lt=1)
+    budget: float = Field(0.01, gt=0, le=1)
+    train_base: bool = True
+'''
+
+MOMENTUM_METHOD = '''"""{name} as a layout, a procedure and a server rule."""
+
+from ondevice_moe.experts.layer import AdaptorKinds
+from ondevice_moe.layout import ExpertSpec, Layout, RouterSpec
+from ondevice_moe.methods.base import Method, MethodContext, Procedure, same_for_all
+
+from .options import Options
+from .rule import server_rule
+
+
+def build(options: Options, context: MethodContext) -> Method:
+    """One shared adaptor on every layer of every device, trained as FedAvg trains it; the server
+    combines the uploads with momentum (``rule.py``)."""
+    layout = Layout((ExpertSpec("layers", "shared"),), RouterSpec("none"), "every-layer",
+                    adaptor_kinds=AdaptorKinds(budget=options.budget))
+    return Method("{name}", same_for_all(context.num_users, layout), Procedure(full_finetune=options.train_base),
+                  server_rule(options, context))
+'''
+
+MOMENTUM_RULE = '''"""{name}'s server rule: FedAvgM, server momentum (Hsu et al. 2019, Alg. 1).
+
+Each round the server averages the uploads as FedAvg does (``x̄``), takes the change from its global
+tensors, ``Δ = x̄ − x``, folds it into a velocity ``v ← β v + Δ`` and moves ``x ← x + v``. At
+``β = 0`` that is ``x ← x̄``: FedAvg. The velocity is a slot of its own: the server keeps it between
+rounds (and across a restart) and never sends it.
+"""
+
+from dataclasses import dataclass
+
+from ondevice_moe.federation.aggregation import Update, average
+from ondevice_moe.federation.rules import GLOBAL, ServerRule, Slots
+from ondevice_moe.methods.base import MethodContext
+
+from .options import Options
+
+VELOCITY = "velocity"
+
+
+@dataclass(frozen=True)
+class MomentumRule(ServerRule):
+    beta: float = 0.9
+
+    @property
+    def needs_each_update(self) -> str | None:
+        return None  # it reads only the weighted mean of the uploads, which secure aggregation gives too
+
+    def initial_slots(self) -> Slots:
+        return {{GLOBAL: {{}}, VELOCITY: {{}}}}
+
+    def aggregate(self, slots: Slots, updates: list[Update]) -> Slots:
+        if not any(update.tensors for update in updates):
+            return slots
+        mean = average(updates, self.weights())
+        glob, velocity = dict(slots[GLOBAL]), dict(slots[VELOCITY])
+        for name, tensor in mean.items():
+            if name not in glob:  # the first round: nothing to move from
+                glob[name] = tensor
+                continue
+            velocity[name] = self.beta * velocity.get(name, 0.0) + (tensor - glob[name])
+            glob[name] = glob[name] + velocity[name]
+        return {{**slots, GLOBAL: glob, VELOCITY: velocity}}
+
+
+def server_rule(options: Options, context: MethodContext) -> ServerRule:
+    return MomentumRule(context.weighting, beta=options.beta)
+'''
+
+MOMENTUM_RECIPE = '''name: {name}-tiny
+description: {name} beside itself at beta = 0, which is FedAvg of the same adaptor and base, on the small digits task.
+seed: 0
+plugins: [.]          # this folder: its METHODS register {name}
+model: {{name: mlp}}
+task: {{name: digits-rotate, clients: 4, clusters: 2, batch_size: 32, eval_batch_size: 256}}
+federation: {{rounds: 3, local_epochs: 1, cpus_per_client: 1, weighting: num_examples}}
+training: {{lr: 0.05, optimizer: sgd, grad_clip: null, lr_schedule: constant}}
+methods:
+  - {name}
+  - {{name: {name}, beta: 0.0, label: {name}-beta0}}
+  - {{name: fedavg-adaptor, preconditioning: false}}   # the toolkit's FedAvg of the same adaptor: equals beta = 0
+'''
+
+MOMENTUM_TEST = '''"""{name} runs through Flower on the tiny recipe, and its rule moves as FedAvgM says."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from ondevice_moe.federation.aggregation import Update
+from ondevice_moe.federation.rules import GLOBAL
+
+HERE = Path(__file__).resolve().parent
+
+
+def test_the_recipe_runs_through_flower_and_beta_zero_is_fedavg(tmp_path):
+    env = {{**os.environ, "HF_HUB_OFFLINE": "1"}}
+    subprocess.run([sys.executable, "-m", "ondevice_moe", "finetune", str(HERE / "recipe.yaml"), "--trust-plugins",
+                    "--output", str(tmp_path / "run")], check=True, env=env, timeout=3600)
+    methods = json.loads((tmp_path / "run" / "summary.json").read_text())["methods"]
+    assert {{"{name}", "{name}-beta0", "fedavg-adaptor"}} <= set(methods)
+    assert methods["{name}-beta0"]["mean_score"] == methods["fedavg-adaptor"]["mean_score"]
+
+
+def test_the_server_keeps_a_velocity_and_moves_by_it():
+    from {package}.rule import MomentumRule
+
+    rule = MomentumRule("uniform", beta=0.5)
+    slots = rule.aggregate(rule.initial_slots(), [Update(0, {{"w": torch.tensor([2.0])}}, 1)])
+    assert float(slots[GLOBAL]["w"]) == 2.0  # round 1: the mean
+    slots = rule.aggregate(slots, [Update(0, {{"w": torch.tensor([4.0])}}, 1)])
+    assert float(slots[GLOBAL]["w"]) == 4.0  # v = 0.5·0 + (4 − 2) = 2
+    slots = rule.aggregate(slots, [Update(0, {{"w": torch.tensor([4.0])}}, 1)])
+    assert float(slots[GLOBAL]["w"]) == 5.0  # v = 0.5·2 + (4 − 4) = 1: momentum carries on
+'''
+
+TEMPLATES: dict[str, dict[str, str]] = {
+    "proximal": {"options.py": OPTIONS, "method.py": METHOD, "procedure.py": PROCEDURE, "rule.py": RULE,
+                 "recipe.yaml": RECIPE, "test.py": TEST},
+    "private-head": {"options.py": PRIVATE_HEAD_OPTIONS, "method.py": PRIVATE_HEAD_METHOD, "rule.py": RULE,
+                     "recipe.yaml": PRIVATE_HEAD_RECIPE, "test.py": PRIVATE_HEAD_TEST},
+    "custom-rule": {"options.py": MOMENTUM_OPTIONS, "method.py": MOMENTUM_METHOD, "rule.py": MOMENTUM_RULE,
+                    "recipe.yaml": MOMENTUM_RECIPE, "test.py": MOMENTUM_TEST},
+}
+
+
 def package_name(name: str) -> str:
     """The Python package of method ``name``: ``my-method`` → ``my_method``."""
     return re.sub(r"\W", "_", name).lstrip("_0123456789") or "method"
 
 
-def scaffold(name: str, destination: Path) -> Path:
-    """Write method ``name``'s folder under ``destination``; returns it. An existing folder is refused."""
+def scaffold(name: str, destination: Path, template: str = "proximal") -> Path:
+    """Write method ``name``'s folder under ``destination`` from ``template`` (a key of :data:`TEMPLATES`);
+    returns it. An existing folder, a bad name or an unknown template is refused."""
     if not is_plain_name(name):
         raise UserError(f"method name {name!r} cannot name a folder", "use letters, digits and - only (e.g. fedprox)")
+    if template not in TEMPLATES:
+        raise UserError(f"unknown template {template!r}", f"use one of: {', '.join(TEMPLATES)}")
     package = package_name(name)
     folder = Path(destination) / package
     if folder.exists():
         raise UserError(f"{folder} already exists", "choose another DEST or NAME, or remove that folder")
     folder.mkdir(parents=True)
-    files = {"__init__.py": INIT, "options.py": OPTIONS, "method.py": METHOD, "procedure.py": PROCEDURE,
-             "rule.py": RULE, "recipe.yaml": RECIPE, f"test_{package}.py": TEST}
-    for file, template in files.items():
-        (folder / file).write_text(template.format(name=name, package=package), encoding="utf-8")
+    files = {"__init__.py": INIT, **TEMPLATES[template]}
+    for file, text in files.items():
+        target = f"test_{package}.py" if file == "test.py" else file
+        (folder / target).write_text(text.format(name=name, package=package), encoding="utf-8")
     return folder
