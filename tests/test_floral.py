@@ -24,6 +24,7 @@ from ondevice_moe.federation.job import Job
 from ondevice_moe.layout import ExpertSpec, Layout, RouterSpec, attach_layout
 from ondevice_moe.methods.floral.rule import MixtureRule
 from ondevice_moe.methods.registry import method_for
+from ondevice_moe.models.heads import head_paths
 from ondevice_moe.models.small import small_model
 from ondevice_moe.recipe import load_recipe, validate_recipe
 from ondevice_moe.routing import client_mixture
@@ -308,7 +309,7 @@ def test_floral_adapts_a_classifier_head_too():
     base = load_base_model("tiny-bert", num_labels=3).model
     layout = Layout((ExpertSpec("layers", "shared"),) * 2, RouterSpec("client-mixture"), "every-layer",
                     adaptor_kinds=AdaptorKinds(budget=0.1))
-    heads = dev.head_paths(base)
+    heads = head_paths(base)
     model = attach_layout(base, layout, seed=0, own=heads)
     assert isinstance(model.classifier, AdaptedLayer)
     tokens = torch.randint(5, 100, (2, 8), generator=_generator())
@@ -319,7 +320,7 @@ def test_head_rank_sets_the_classifier_heads_lora_rank_and_leaves_the_blocks_to_
     from ondevice_moe.models import load_base_model
 
     base = load_base_model("tiny-bert", num_labels=3).model
-    heads = dev.head_paths(base)
+    heads = head_paths(base)
     ranks = {}
     for head_rank in (None, 3):
         method = method_for("floral", 2, clusters=2, budget=0.01, head_rank=head_rank)

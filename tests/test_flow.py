@@ -21,6 +21,7 @@ from ondevice_moe.methods.flow.procedure import adapted_for_test, flow_round, ro
 from ondevice_moe.models.small import small_model
 from ondevice_moe.recipe import load_recipe, validate_recipe
 from ondevice_moe.routing.instance_policy import InstancePolicyRouter, instance_policy, policy_regulariser
+from ondevice_moe.training import trainable_state
 
 TINY_FLOW = Path(__file__).parent / "recipes" / "tiny-flow.yaml"
 FLOW_LAYOUT = Layout((ExpertSpec("layer-copy", "private"),), RouterSpec("instance-policy", policy_hidden=8),
@@ -234,7 +235,7 @@ def test_apfl_interpolates_global_and_personal_copies_with_a_private_learned_alp
     assert weight == len(examples) and metrics["alpha"] != pytest.approx(0.25, abs=1e-6)
     tensors, _ = dev.upload(job, trainer)
     assert tensors and not any("private" in n or n.startswith("router.") for n in tensors)
-    assert "router.alpha_logit" in dev.trainable_state(model)
+    assert "router.alpha_logit" in trainable_state(model)
     assert job.method.role_of("router.alpha_logit").value == "private"
 
 
