@@ -545,13 +545,16 @@ def new_method(
     template: Annotated[str, typer.Option(
         help="What to start from: proximal (a device-side loss term, FedProx), private-head (the head stays "
              "on the device, FedPer), custom-rule (a server rule, FedAvgM's momentum).")] = "proximal",
+    task: Annotated[str, typer.Option(
+        help="small (the digits MLP) or language (a causal language model with LoRA experts; proximal and "
+             "custom-rule).")] = "small",
 ) -> None:
     """Scaffold a method folder (options, layout, procedure or sharing, server rule, a tiny recipe, a test) that
     runs as generated: `ondevice-moe finetune DEST/NAME/recipe.yaml --trust-plugins`."""
     from ondevice_moe.methods.scaffold import scaffold
 
     try:
-        folder = scaffold(name, dest, template)
+        folder = scaffold(name, dest, template, task)
     except UserError as error:
         _fail(error)
     files = ", ".join(sorted(path.name for path in folder.iterdir()))

@@ -114,22 +114,24 @@ def test_the_scaffolded_procedure_passes_its_own_test(tmp_path, monkeypatch):
         del sys.modules[name]
 
 
-@pytest.mark.parametrize(("template", "generated_test"), [
-    ("custom-rule", "test_the_server_keeps_a_velocity_and_moves_by_it"),
-    ("private-head", "test_the_dry_run_uploads_everything_but_the_head"),
+@pytest.mark.parametrize(("template", "task", "generated_test"), [
+    ("custom-rule", "small", "test_the_server_keeps_a_velocity_and_moves_by_it"),
+    ("private-head", "small", "test_the_dry_run_uploads_everything_but_the_head"),
+    ("custom-rule", "language", "test_the_server_keeps_a_velocity_and_moves_by_it"),
+    ("proximal", "language", "test_the_proximal_term_is_zero_at_the_received_weights_and_grows_away_from_them"),
 ])
-def test_each_template_scaffolds_a_method_that_passes_its_own_quick_test(tmp_path, monkeypatch, template,
+def test_each_template_scaffolds_a_method_that_passes_its_own_quick_test(tmp_path, monkeypatch, template, task,
                                                                         generated_test):
-    """The templates' Flower runs (their other generated test: at beta 0 / with shared heads the method equals
-    the toolkit's FedAvg to the digit) were run by hand; here the generated code compiles, registers and
+    """The templates' Flower runs (their other generated test: at mu 0 / beta 0 / with shared heads the method
+    equals the toolkit's FedAvg to the digit) were run by hand; here the generated code compiles, registers and
     passes its quick test."""
-    folder = scaffold("my-method", tmp_path, template)
+    folder = scaffold("my-method", tmp_path, template, task)
     for file in folder.glob("*.py"):
         compile(file.read_text(), str(file), "exec")
     monkeypatch.syspath_prepend(str(tmp_path))
     generated = importlib.import_module(f"my_method.{next(folder.glob('test_*.py')).stem}")
     try:
-        getattr(generated, generated_test)(*(() if "velocity" in generated_test else (monkeypatch, tmp_path / "p")))
+        getattr(generated, generated_test)(*((monkeypatch, tmp_path / "p") if "dry_run" in generated_test else ()))
     finally:
         for name in [name for name in sys.modules if name == "my_method" or name.startswith("my_method.")]:
             del sys.modules[name]
@@ -139,6 +141,26 @@ def test_an_unknown_template_names_the_choices(tmp_path):
     with pytest.raises(UserError, match="unknown template") as caught:
         scaffold("x", tmp_path, "fancy")
     assert "proximal, private-head, custom-rule" in caught.value.fix
+    with pytest.raises(UserError, match="is for the small model") as caught:
+        scaffold("x", tmp_path, "private-head", "language")
+    assert "proximal, custom-rule" in caught.value.fix and not (tmp_path / "x").exists()
+
+
+def test_a_language_template_holds_the_toolkits_fedavg_layout(tmp_path, monkeypatch):
+    """At mu 0 the language template is the toolkit's fedavg: the same layout (its Flower run, checked by
+    its generated test by hand, gives fedavg's perplexities to the digit)."""
+    from ondevice_moe.methods.base import MethodContext
+
+    scaffold("my-method", tmp_path, "proximal", "language")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        generated = importlib.import_module("my_method.method")
+        options = importlib.import_module("my_method.options").Options(mu=0.0)
+        ours = generated.build(options, MethodContext(num_users=2, weighting="uniform"))
+        assert ours.layouts == registry.method_for("fedavg", 2).layouts
+    finally:
+        for name in [name for name in sys.modules if name == "my_method" or name.startswith("my_method.")]:
+            del sys.modules[name]
 
 
 def _install(site: Path) -> None:

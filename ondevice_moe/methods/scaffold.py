@@ -158,9 +158,9 @@ def test_the_recipe_runs_through_flower_and_reports_every_method(tmp_path):
     subprocess.run([sys.executable, "-m", "ondevice_moe", "finetune", str(HERE / "recipe.yaml"), "--trust-plugins",
                     "--output", str(tmp_path / "run")], check=True, env=env, timeout=3600)
     methods = json.loads((tmp_path / "run" / "summary.json").read_text())["methods"]
-    assert {{"{name}", "{name}-mu0", "fedavg-adaptor"}} <= set(methods)
-    # At mu = 0 the method is FedAvg of the same adaptor and base: the same numbers as the toolkit's.
-    assert methods["{name}-mu0"]["mean_score"] == methods["fedavg-adaptor"]["mean_score"]
+    assert {{"{name}", "{name}-mu0", "{peer}"}} <= set(methods)
+    # At mu = 0 the method is the toolkit's FedAvg of the same experts and base: the same numbers.
+    assert methods["{name}-mu0"]["{score}"] == methods["{peer}"]["{score}"]
 
 
 def test_the_proximal_term_is_zero_at_the_received_weights_and_grows_away_from_them():
@@ -383,8 +383,8 @@ def test_the_recipe_runs_through_flower_and_beta_zero_is_fedavg(tmp_path):
     subprocess.run([sys.executable, "-m", "ondevice_moe", "finetune", str(HERE / "recipe.yaml"), "--trust-plugins",
                     "--output", str(tmp_path / "run")], check=True, env=env, timeout=3600)
     methods = json.loads((tmp_path / "run" / "summary.json").read_text())["methods"]
-    assert {{"{name}", "{name}-beta0", "fedavg-adaptor"}} <= set(methods)
-    assert methods["{name}-beta0"]["mean_score"] == methods["fedavg-adaptor"]["mean_score"]
+    assert {{"{name}", "{name}-beta0", "{peer}"}} <= set(methods)
+    assert methods["{name}-beta0"]["{score}"] == methods["{peer}"]["{score}"]
 
 
 def test_the_server_keeps_a_velocity_and_moves_by_it():
@@ -398,6 +398,76 @@ def test_the_server_keeps_a_velocity_and_moves_by_it():
     slots = rule.aggregate(slots, [Update(0, {{"w": torch.tensor([4.0])}}, 1)])
     assert float(slots[GLOBAL]["w"]) == 5.0  # v = 0.5·2 + (4 − 4) = 1: momentum carries on
 '''
+
+LANGUAGE_OPTIONS = '''"""{name}'s options in a recipe's method entry (``{{name: {name}, {knob}: 0.0}}``)."""
+
+from pydantic import Field
+
+from ondevice_moe.methods.base import MethodOptions
+
+
+class Options(MethodOptions):
+    """``{knob}``: {knob_doc}; ``lora_rank``: the attention LoRA's rank r (each MLP linear's is 2r, one
+    LoRA per targeted module, as the toolkit's ``fedavg``)."""
+
+    {knob}: float = Field({default}, ge=0, lt={bound})
+    lora_rank: int = Field(8, ge=1)
+'''
+
+LANGUAGE_METHOD = '''"""{name} as a layout, a procedure and a server rule, on a causal language model."""
+
+from ondevice_moe.layout import ExpertSizes, ExpertSpec, Layout, RouterSpec
+from ondevice_moe.methods.base import {base_names}
+
+from .options import Options
+{procedure_import}from .rule import server_rule
+
+
+def build(options: Options, context: MethodContext) -> Method:
+    """One shared LoRA per targeted module of every block (rank 2r on each MLP linear, r on attention), the
+    layout of the toolkit's ``fedavg``; {what}."""
+    layout = Layout((ExpertSpec("lora", "shared", rank=2 * options.lora_rank),), RouterSpec("uniform"), "mlp",
+                    attention_lora="shared", sizes=ExpertSizes(lora_rank=options.lora_rank))
+    return Method("{name}", same_for_all(context.num_users, layout), {procedure}, server_rule(options, context))
+'''
+
+LANGUAGE_RECIPE = '''name: {name}-tiny
+description: {name} beside itself at {knob} = 0, which is the toolkit's fedavg, on a tiny GPT-2 and two offline domains.
+seed: 0
+plugins: [.]          # this folder: its METHODS register {name}
+model: {{name: tiny-gpt2}}   # a 2-layer random GPT-2 for a quick check; smollm2-135m for a real model (offline)
+data:
+  context_length: 32
+  batch_size: 4
+  train_tokens: 4000
+  valid_tokens: 1000
+  test_tokens: 1000
+  users:
+    - {{name: code, source: python-code}}
+    - {{name: news, source: bbc-news}}
+federation: {{rounds: 2, local_iterations: 3, cpus_per_client: 1}}
+training: {{lr: 0.01, lr_schedule: constant}}
+methods:
+  - {name}
+  - {{name: {name}, {knob}: 0.0, label: {name}-{label}}}
+  - fedavg            # the toolkit's FedAvg of the same LoRA: equals {knob} = 0
+'''
+
+LANGUAGE = {
+    "proximal": {"knob": "mu", "default": "0.1", "bound": "1000", "label": "mu0",
+                 "knob_doc": "the weight of FedProx's proximal term (Li et al. 2020, eq. 2)",
+                 "base_names": "Method, MethodContext, same_for_all",
+                 "procedure_import": "from .procedure import ProximalProcedure\n",
+                 "procedure": "ProximalProcedure(mu=options.mu)",
+                 "what": "trained with a proximal term to the round's received LoRA"},
+    "custom-rule": {"knob": "beta", "default": "0.9", "bound": "1", "label": "beta0",
+                    "knob_doc": "the server's momentum (FedAvgM, Hsu et al. 2019, Alg. 1; 0 is FedAvg)",
+                    "base_names": "Method, MethodContext, Procedure, same_for_all", "procedure_import": "",
+                    "procedure": "Procedure()", "what": "the server combines the uploads with momentum"},
+}
+SMALL_PEER = {"score": "mean_score", "peer": "fedavg-adaptor"}
+LANGUAGE_PEER = {"score": "mean_in", "peer": "fedavg"}
+TASKS = ("small", "language")
 
 TEMPLATES: dict[str, dict[str, str]] = {
     "proximal": {"options.py": OPTIONS, "method.py": METHOD, "procedure.py": PROCEDURE, "rule.py": RULE,
@@ -414,20 +484,30 @@ def package_name(name: str) -> str:
     return re.sub(r"\W", "_", name).lstrip("_0123456789") or "method"
 
 
-def scaffold(name: str, destination: Path, template: str = "proximal") -> Path:
-    """Write method ``name``'s folder under ``destination`` from ``template`` (a key of :data:`TEMPLATES`);
-    returns it. An existing folder, a bad name or an unknown template is refused."""
+def scaffold(name: str, destination: Path, template: str = "proximal", task: str = "small") -> Path:
+    """Write method ``name``'s folder under ``destination`` from ``template`` (a key of :data:`TEMPLATES`) for
+    ``task`` (``small``: the digits MLP; ``language``: a causal language model, LoRA experts); returns it.
+    An existing folder, a bad name, an unknown template or task is refused."""
     if not is_plain_name(name):
         raise UserError(f"method name {name!r} cannot name a folder", "use letters, digits and - only (e.g. fedprox)")
     if template not in TEMPLATES:
         raise UserError(f"unknown template {template!r}", f"use one of: {', '.join(TEMPLATES)}")
+    if task not in TASKS:
+        raise UserError(f"unknown task {task!r}", f"use one of: {', '.join(TASKS)}")
+    if task == "language" and template not in LANGUAGE:
+        raise UserError(f"template {template!r} is for the small model: a causal language model's head is its "
+                        "tied output embedding", f"for a language model use one of: {', '.join(LANGUAGE)}")
     package = package_name(name)
     folder = Path(destination) / package
     if folder.exists():
         raise UserError(f"{folder} already exists", "choose another DEST or NAME, or remove that folder")
-    folder.mkdir(parents=True)
     files = {"__init__.py": INIT, **TEMPLATES[template]}
+    fields = {"name": name, "package": package, **SMALL_PEER}
+    if task == "language":
+        files |= {"options.py": LANGUAGE_OPTIONS, "method.py": LANGUAGE_METHOD, "recipe.yaml": LANGUAGE_RECIPE}
+        fields |= {**LANGUAGE[template], **LANGUAGE_PEER}
+    folder.mkdir(parents=True)
     for file, text in files.items():
         target = f"test_{package}.py" if file == "test.py" else file
-        (folder / target).write_text(text.format(name=name, package=package), encoding="utf-8")
+        (folder / target).write_text(text.format(**fields), encoding="utf-8")
     return folder
