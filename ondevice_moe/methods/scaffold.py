@@ -129,7 +129,7 @@ def server_rule(options: Options, context: MethodContext) -> ServerRule:
 '''
 
 RECIPE = '''name: {name}-tiny
-description: {name} beside itself at mu = 0, which is FedAvg of the same adaptor and base, on the small digits task.
+description: {name} beside itself at {knob} = 0, which is FedAvg of the same adaptor and base, on the small digits task.
 seed: 0
 plugins: [.]          # this folder: its METHODS register {name}
 model: {{name: mlp}}
@@ -138,8 +138,20 @@ federation: {{rounds: 3, local_epochs: 1, cpus_per_client: 1, weighting: num_exa
 training: {{lr: 0.05, optimizer: sgd, grad_clip: null, lr_schedule: constant}}
 methods:
   - {name}
-  - {{name: {name}, mu: 0.0, label: {name}-mu0}}
-  - {{name: fedavg-adaptor, preconditioning: false}}   # the toolkit's FedAvg of the same adaptor: equals mu = 0
+  - {{name: {name}, {knob}: 0.0, label: {name}-{label}}}
+  - {{name: fedavg-adaptor, preconditioning: false}}   # the toolkit's FedAvg of the same adaptor: equals {knob} = 0
+'''
+
+RUNS_THROUGH_FLOWER = '''
+
+def test_the_recipe_runs_through_flower_and_one_setting_is_the_toolkits_fedavg(tmp_path):
+    env = {{**os.environ, "HF_HUB_OFFLINE": "1"}}
+    subprocess.run([sys.executable, "-m", "ondevice_moe", "finetune", str(HERE / "recipe.yaml"), "--trust-plugins",
+                    "--output", str(tmp_path / "run")], check=True, env=env, timeout=3600)
+    methods = json.loads((tmp_path / "run" / "summary.json").read_text())["methods"]
+    assert {{"{name}", "{name}-{label}", "{peer}"}} <= set(methods)
+    # There the method is the toolkit's FedAvg of the same experts and base: the same numbers.
+    assert methods["{name}-{label}"]["{score}"] == methods["{peer}"]["{score}"]
 '''
 
 TEST = '''"""{name} runs through Flower on the tiny recipe, and its proximal term does what it says."""
@@ -151,17 +163,7 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-
-
-def test_the_recipe_runs_through_flower_and_reports_every_method(tmp_path):
-    env = {{**os.environ, "HF_HUB_OFFLINE": "1"}}
-    subprocess.run([sys.executable, "-m", "ondevice_moe", "finetune", str(HERE / "recipe.yaml"), "--trust-plugins",
-                    "--output", str(tmp_path / "run")], check=True, env=env, timeout=3600)
-    methods = json.loads((tmp_path / "run" / "summary.json").read_text())["methods"]
-    assert {{"{name}", "{name}-mu0", "{peer}"}} <= set(methods)
-    # At mu = 0 the method is the toolkit's FedAvg of the same experts and base: the same numbers.
-    assert methods["{name}-mu0"]["{score}"] == methods["{peer}"]["{score}"]
-
+''' + RUNS_THROUGH_FLOWER + '''
 
 def test_the_proximal_term_is_zero_at_the_received_weights_and_grows_away_from_them():
     import torch
@@ -229,7 +231,7 @@ federation: {{rounds: 3, local_epochs: 1, cpus_per_client: 1, weighting: num_exa
 training: {{lr: 0.01, lr_schedule: constant}}
 methods:
   - {name}
-  - {{name: {name}, private_head: false, label: {name}-shared-head}}
+  - {{name: {name}, private_head: false, label: {name}-{label}}}
   - fed-ft            # the toolkit's FedAvg of the whole model: equals private_head false
 '''
 
@@ -242,16 +244,7 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-
-
-def test_the_recipe_runs_through_flower_and_shared_heads_are_fedavg(tmp_path):
-    env = {{**os.environ, "HF_HUB_OFFLINE": "1"}}
-    subprocess.run([sys.executable, "-m", "ondevice_moe", "finetune", str(HERE / "recipe.yaml"), "--trust-plugins",
-                    "--output", str(tmp_path / "run")], check=True, env=env, timeout=3600)
-    methods = json.loads((tmp_path / "run" / "summary.json").read_text())["methods"]
-    assert {{"{name}", "{name}-shared-head", "fed-ft"}} <= set(methods)
-    assert methods["{name}-shared-head"]["mean_score"] == methods["fed-ft"]["mean_score"]
-
+''' + RUNS_THROUGH_FLOWER + '''
 
 def test_the_dry_run_uploads_everything_but_the_head(monkeypatch, tmp_path):
     from ondevice_moe.methods.plugins import TRUST_ENV
@@ -348,20 +341,6 @@ def server_rule(options: Options, context: MethodContext) -> ServerRule:
     return MomentumRule(context.weighting, beta=options.beta)
 '''
 
-MOMENTUM_RECIPE = '''name: {name}-tiny
-description: {name} beside itself at beta = 0, which is FedAvg of the same adaptor and base, on the small digits task.
-seed: 0
-plugins: [.]          # this folder: its METHODS register {name}
-model: {{name: mlp}}
-task: {{name: digits-rotate, clients: 4, clusters: 2, batch_size: 32, eval_batch_size: 256}}
-federation: {{rounds: 3, local_epochs: 1, cpus_per_client: 1, weighting: num_examples}}
-training: {{lr: 0.05, optimizer: sgd, grad_clip: null, lr_schedule: constant}}
-methods:
-  - {name}
-  - {{name: {name}, beta: 0.0, label: {name}-beta0}}
-  - {{name: fedavg-adaptor, preconditioning: false}}   # the toolkit's FedAvg of the same adaptor: equals beta = 0
-'''
-
 MOMENTUM_TEST = '''"""{name} runs through Flower on the tiny recipe, and its rule moves as FedAvgM says."""
 
 import json
@@ -376,16 +355,7 @@ from ondevice_moe.federation.aggregation import Update
 from ondevice_moe.federation.rules import GLOBAL
 
 HERE = Path(__file__).resolve().parent
-
-
-def test_the_recipe_runs_through_flower_and_beta_zero_is_fedavg(tmp_path):
-    env = {{**os.environ, "HF_HUB_OFFLINE": "1"}}
-    subprocess.run([sys.executable, "-m", "ondevice_moe", "finetune", str(HERE / "recipe.yaml"), "--trust-plugins",
-                    "--output", str(tmp_path / "run")], check=True, env=env, timeout=3600)
-    methods = json.loads((tmp_path / "run" / "summary.json").read_text())["methods"]
-    assert {{"{name}", "{name}-beta0", "{peer}"}} <= set(methods)
-    assert methods["{name}-beta0"]["{score}"] == methods["{peer}"]["{score}"]
-
+''' + RUNS_THROUGH_FLOWER + '''
 
 def test_the_server_keeps_a_velocity_and_moves_by_it():
     from {package}.rule import MomentumRule
@@ -407,8 +377,9 @@ from ondevice_moe.methods.base import MethodOptions
 
 
 class Options(MethodOptions):
-    """``{knob}``: {knob_doc}; ``lora_rank``: the attention LoRA's rank r (each MLP linear's is 2r, one
-    LoRA per targeted module, as the toolkit's ``fedavg``)."""
+    """``{knob}``: {knob_doc}.
+    ``lora_rank``: the attention LoRA's rank r (each MLP linear's is 2r, one LoRA per targeted module, as
+    the toolkit's ``fedavg``)."""
 
     {knob}: float = Field({default}, ge=0, lt={bound})
     lora_rank: int = Field(8, ge=1)
@@ -428,7 +399,8 @@ def build(options: Options, context: MethodContext) -> Method:
     layout of the toolkit's ``fedavg``; {what}."""
     layout = Layout((ExpertSpec("lora", "shared", rank=2 * options.lora_rank),), RouterSpec("uniform"), "mlp",
                     attention_lora="shared", sizes=ExpertSizes(lora_rank=options.lora_rank))
-    return Method("{name}", same_for_all(context.num_users, layout), {procedure}, server_rule(options, context))
+    procedure = {procedure}
+    return Method("{name}", same_for_all(context.num_users, layout), procedure, server_rule(options, context))
 '''
 
 LANGUAGE_RECIPE = '''name: {name}-tiny
@@ -465,7 +437,9 @@ LANGUAGE = {
                     "base_names": "Method, MethodContext, Procedure, same_for_all", "procedure_import": "",
                     "procedure": "Procedure()", "what": "the server combines the uploads with momentum"},
 }
-SMALL_PEER = {"score": "mean_score", "peer": "fedavg-adaptor"}
+SMALL = {"proximal": {"knob": "mu", "label": "mu0", "peer": "fedavg-adaptor"},
+         "custom-rule": {"knob": "beta", "label": "beta0", "peer": "fedavg-adaptor"},
+         "private-head": {"knob": "private_head", "label": "shared-head", "peer": "fed-ft"}}
 LANGUAGE_PEER = {"score": "mean_in", "peer": "fedavg"}
 TASKS = ("small", "language")
 
@@ -475,7 +449,7 @@ TEMPLATES: dict[str, dict[str, str]] = {
     "private-head": {"options.py": PRIVATE_HEAD_OPTIONS, "method.py": PRIVATE_HEAD_METHOD, "rule.py": RULE,
                      "recipe.yaml": PRIVATE_HEAD_RECIPE, "test.py": PRIVATE_HEAD_TEST},
     "custom-rule": {"options.py": MOMENTUM_OPTIONS, "method.py": MOMENTUM_METHOD, "rule.py": MOMENTUM_RULE,
-                    "recipe.yaml": MOMENTUM_RECIPE, "test.py": MOMENTUM_TEST},
+                    "recipe.yaml": RECIPE, "test.py": MOMENTUM_TEST},
 }
 
 
@@ -502,7 +476,7 @@ def scaffold(name: str, destination: Path, template: str = "proximal", task: str
     if folder.exists():
         raise UserError(f"{folder} already exists", "choose another DEST or NAME, or remove that folder")
     files = {"__init__.py": INIT, **TEMPLATES[template]}
-    fields = {"name": name, "package": package, **SMALL_PEER}
+    fields = {"name": name, "package": package, "score": "mean_score", **SMALL[template]}
     if task == "language":
         files |= {"options.py": LANGUAGE_OPTIONS, "method.py": LANGUAGE_METHOD, "recipe.yaml": LANGUAGE_RECIPE}
         fields |= {**LANGUAGE[template], **LANGUAGE_PEER}
