@@ -29,12 +29,13 @@ demo: setup
 	$(BIN)/ondevice-moe finetune recipes/demo.yaml
 
 # Two workers, a test file each at a time: most of a test's wall time is Ray, Flower and
-# SuperNode processes starting and waiting, which the other worker fills (14 min 10 s on 2 cores).
+# SuperNode processes starting and waiting, which the other worker fills; the longest files go first
+# (tests/conftest.py: LONGEST_FILES), so both workers end together (17 min 35 s on 2 idle cores).
 test: setup
-	$(BIN)/pytest -q -m "" -n 2 --dist loadfile tests
+	$(BIN)/pytest -q -m "" -n 2 --dist loadfile --no-loadscope-reorder tests
 
 test-fast: setup
-	$(BIN)/pytest -q -n 2 --dist loadfile tests
+	$(BIN)/pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests
 
 lint: setup
 	$(BIN)/ruff check ondevice_moe tests benchmarks eval examples

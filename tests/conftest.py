@@ -97,3 +97,17 @@ def ifca_run(tmp_path_factory) -> Path:
     recipe = load_recipe(Path(__file__).parent / "recipes" / "tiny-fedsoft-lm.yaml", ["methods=[ifca]"])
     runner.run_recipe(recipe, run)
     return run
+
+
+# The files that take minutes on 2 cores (`make test`, durations of a full run), longest first. `make test`
+# hands whole files to two workers in collection order (`--dist loadfile --no-loadscope-reorder`): these go
+# first so that the short files fill the other worker meanwhile and both end together (xdist's own order,
+# by number of tests, left a one-test file of two minutes for the end).
+LONGEST_FILES = ("test_benchmarks.py", "test_fleet_hosts.py", "test_deployment.py", "test_fair_baselines.py",
+                 "test_resume.py", "test_quickstart_slow.py", "test_task_validation.py", "test_examples.py",
+                 "test_federation.py")
+
+
+def pytest_collection_modifyitems(items: list) -> None:
+    rank = {name: position for position, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
