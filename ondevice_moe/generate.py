@@ -100,10 +100,10 @@ def generate_text(run_dir: Path, method: str, user: str, prompt: str, max_new_to
     templated = not raw and tunes_instructions(recipe) and bool(getattr(tokenizer, "chat_template", None))
     prompt_ids = prompt_tokens(tokenizer, prompt, templated)
     _check_context(opened.model, prompt_ids.shape[1], max_new_tokens)
+    cached = uses_cache(opened.model)
     new = generate_tokens(opened.model, prompt_ids, max_new_tokens, sampling, _pad_id(tokenizer),
-                          _streamer(tokenizer, on_text))
-    return Generation(prompt, tokenizer.decode(new, skip_special_tokens=True), int(new.numel()), templated,
-                      uses_cache(opened.model))
+                          _streamer(tokenizer, on_text), use_cache=cached)
+    return Generation(prompt, tokenizer.decode(new, skip_special_tokens=True), int(new.numel()), templated, cached)
 
 
 def tunes_instructions(recipe: Recipe) -> bool:

@@ -8,17 +8,11 @@ package version never reuses a stale conversion.
 from __future__ import annotations
 
 import hashlib
-import os
 import shutil
 import tempfile
 from pathlib import Path
 
-import torch
-
-
-def cache_root() -> Path:
-    """``$ONDEVICE_MOE_CACHE``, or ``~/.cache/ondevice-moe``."""
-    return Path(os.environ.get("ONDEVICE_MOE_CACHE", Path.home() / ".cache" / "ondevice-moe"))
+from ondevice_moe.assets import cache_root
 
 
 def file_sha256(path: Path) -> str:
@@ -34,6 +28,7 @@ def cached_gguf_folder(gguf_path: Path) -> Path:
     target = cache_root() / "models" / f"{gguf_path.stem}-{file_sha256(gguf_path)[:16]}"
     if (target / "config.json").exists():
         return target
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
