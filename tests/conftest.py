@@ -103,9 +103,9 @@ def ifca_run(tmp_path_factory) -> Path:
 # hands whole files to two workers in collection order (`--dist loadfile --no-loadscope-reorder`): these go
 # first so that the short files fill the other worker meanwhile and both end together (xdist's own order,
 # by number of tests, left a one-test file of two minutes for the end).
-LONGEST_FILES = ("test_benchmarks.py", "test_fleet_hosts.py", "test_deployment.py", "test_fair_baselines.py",
-                 "test_resume.py", "test_quickstart_slow.py", "test_task_validation.py", "test_examples.py",
-                 "test_federation.py")
+LONGEST_FILES = ("test_benchmarks.py", "test_install.py", "test_fleet_hosts.py", "test_deployment.py",
+                 "test_fair_baselines.py", "test_resume.py", "test_quickstart_slow.py", "test_task_validation.py",
+                 "test_examples.py", "test_federation.py")
 
 
 def pytest_collection_modifyitems(items: list) -> None:
