@@ -116,9 +116,14 @@ def data_counts(job: Job) -> list[UserCounts]:
     task = federated_task(job)
     spec = task.task
     valid = task.valid or [None] * len(task.train)
-    return [ExampleCounts(user, {"train": len(train), "test": len(test)} | ({"valid": len(held)} if held else {}),
+    return [ExampleCounts(user, _split_sizes(train, test, held),
                           None if spec.is_regression else _label_counts(train.labels.tolist(), spec.label_names))
             for user, train, test, held in zip(recipe.user_names, task.train, task.test, valid, strict=True)]
+
+
+def _split_sizes(train: object, test: object, valid: object | None) -> dict[str, int]:
+    """Examples per split; ``valid`` where the task holds a validation split, even an empty one."""
+    return {"train": len(train), "test": len(test)} | ({} if valid is None else {"valid": len(valid)})
 
 
 def _scored_tokens(examples: BlockExamples) -> int:

@@ -161,6 +161,20 @@ def test_digits_dirichlet_skews_labels():
     assert mean_top_share(skewed) > 0.4 > 0.2 > mean_top_share(even)
 
 
+def test_every_digits_client_gets_test_and_validation_digits_when_a_redraw_allows_it():
+    # Seed 4's first Dirichlet draw leaves a client of 20 with no test digit, which would score it 0.
+    for seed in range(5):
+        task = build_small_task("digits-dirichlet", clients=30, alpha=0.1, seed=seed, valid_examples=250)
+        assert min(map(len, task.test)) >= 1 and min(map(len, task.valid)) >= 1 and min(map(len, task.train)) >= 2
+    assert min(map(len, build_small_task("digits-dirichlet", clients=20, alpha=0.1, seed=4).test)) >= 1
+
+
+def test_digits_clients_that_no_draw_can_give_test_digits_are_named():
+    with pytest.raises(UserError, match=r"clients? [\d, ]+ of 50 would get no test examples") as caught:
+        build_small_task("digits-dirichlet", clients=50, alpha=0.1, seed=0, valid_examples=250)
+    assert "task.dirichlet_alpha" in caught.value.fix
+
+
 @pytest.mark.parametrize(
     ("name", "clusters", "message"),
     [("digits-rotate", 5, "1 to 4 clusters"), ("digits-label-shift", 11, "1 to 10"),

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ondevice_moe.data.partition import dirichlet_partition, label_bins, partition_by_proportions
+from ondevice_moe.data.partition import check_dealt, dirichlet_partition, label_bins, partition_by_proportions
 from ondevice_moe.data.tasks import (
     LabelledExamples,
     TaskSpec,
@@ -114,13 +114,14 @@ def _dirichlet_clients(task: TaskSpec, num_clients: int, alpha: float, seed: int
     else:
         train, valid = load_train_and_valid(task, max_train_examples, valid_examples, seed)
     test = load_task(task, "test", max_test_examples, seed)
-    parts, proportions = dirichlet_partition(_classes(task, train.labels), num_clients, alpha, seed)
+    held_out = [_classes(task, split.labels) for split in (test, valid) if split is not None]
+    parts, proportions = dirichlet_partition(_classes(task, train.labels), num_clients, alpha, seed, held_out=held_out)
     test_parts = partition_by_proportions(_classes(task, test.labels), proportions, seed)
-    _check_dealt(test_parts, len(test.labels), alpha, "test", "raise task.max_test_examples (or remove it)")
+    check_dealt(test_parts, len(test.labels), alpha, "test", "raise task.max_test_examples (or remove it)")
     valid_parts = None
     if valid is not None:
         valid_parts = partition_by_proportions(_classes(task, valid.labels), proportions, seed)
-        _check_dealt(valid_parts, len(valid.labels), alpha, "validation", "raise task.valid_examples")
+        check_dealt(valid_parts, len(valid.labels), alpha, "validation", "raise task.valid_examples")
     return ([_rows(train, rows) for rows in parts], [_rows(test, rows) for rows in test_parts],
             None if valid is None else [_rows(valid, rows) for rows in valid_parts])
 
@@ -148,18 +149,6 @@ def _shifted(examples: ClientExamples, shift: int, num_labels: int) -> ClientExa
     if shift:
         examples.labels = (examples.labels + shift) % num_labels
     return examples
-
-
-def _check_dealt(parts: list[list[int]], total: int, alpha: float, split: str, more: str) -> None:
-    """Every client needs examples to be scored on: its label proportions may give it none of a small split."""
-    empty = [client for client, rows in enumerate(parts) if not rows]
-    if empty:
-        who = f"client {empty[0]}" if len(empty) == 1 else f"clients {', '.join(map(str, empty))}"
-        raise UserError(
-            f"{who} of {len(parts)} would get no {split} examples: the Dirichlet "
-            f"(alpha={alpha}) label proportions deal the {total} {split} examples to the other clients",
-            f"{more}, use fewer task.clients, or a larger task.dirichlet_alpha",
-        )
 
 
 def _classes(task: TaskSpec, labels: list[float]) -> list[int]:

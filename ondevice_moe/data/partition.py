@@ -56,24 +56,47 @@ def dirichlet_partition(
     seed: int,
     min_examples: int = 2,
     max_tries: int = 100,
+    held_out: Sequence[Sequence[int]] = (),
 ) -> tuple[list[list[int]], np.ndarray]:
-    """Partition by Dirichlet proportions, redrawn (seed + try) until every client has ``min_examples``.
+    """Partition by Dirichlet proportions, redrawn (seed + try) until every client has ``min_examples``
+    and, of each ``held_out`` split (the labels of a test or validation split that
+    :func:`partition_by_proportions` deals with the same proportions and ``seed``), at least one. When
+    no draw gives every client a held-out example, the first draw with ``min_examples`` is returned and
+    :func:`check_dealt` names the empty split.
 
     Returns the example indices per client and the proportions matrix that made them.
     """
     needed = num_clients * min_examples
+    first: tuple[list[list[int]], np.ndarray] | None = None
     if len(labels) >= needed:
         num_classes = int(max(labels)) + 1 if len(labels) else 1
         for attempt in range(max_tries):
             proportions = dirichlet_proportions(num_classes, num_clients, alpha, seed + attempt)
             clients = partition_by_proportions(labels, proportions, seed + attempt)
-            if min(len(client) for client in clients) >= min_examples:
+            if min(len(client) for client in clients) < min_examples:
+                continue
+            first = first or (clients, proportions)
+            if all(min(map(len, partition_by_proportions(split, proportions, seed))) >= 1 for split in held_out):
                 return clients, proportions
+    if first is not None:
+        return first
     raise UserError(
         f"could not give each of num_clients={num_clients} clients {min_examples} of the {len(labels)} examples "
         f"with Dirichlet alpha={alpha} in {max_tries} tries",
         "use fewer clients, more data, or a larger alpha",
     )
+
+
+def check_dealt(parts: list[list[int]], total: int, alpha: float, split: str, more: str) -> None:
+    """Every client needs examples to be scored on: its label proportions may give it none of a small split."""
+    empty = [client for client, rows in enumerate(parts) if not rows]
+    if empty:
+        who = f"client {empty[0]}" if len(empty) == 1 else f"clients {', '.join(map(str, empty))}"
+        raise UserError(
+            f"{who} of {len(parts)} would get no {split} examples: the Dirichlet "
+            f"(alpha={alpha}) label proportions deal the {total} {split} examples to the other clients",
+            f"{more}, use fewer task.clients, or a larger task.dirichlet_alpha",
+        )
 
 
 def label_bins(values: Sequence[float], num_bins: int = 5) -> list[int]:

@@ -49,7 +49,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ondevice_moe.data.partition import dirichlet_partition, partition_by_proportions
+from ondevice_moe.data.partition import check_dealt, dirichlet_partition, partition_by_proportions
 from ondevice_moe.data.tasks import TASKS, TaskSpec, fixed_split, get_task
 from ondevice_moe.errors import UserError
 
@@ -249,19 +249,21 @@ def digits_task(task: TaskSpec, clients: int, clusters: int | None, rng: np.rand
     images, labels = _digits()
     train, test, valid = _digit_rows(seed, valid_examples)
     if clusters is None:
-        train_parts, proportions = dirichlet_partition(labels[train].tolist(), clients, alpha, seed)
+        held_out = [labels[rows].tolist() for rows in (test, valid) if rows is not None]
+        train_parts, proportions = dirichlet_partition(labels[train].tolist(), clients, alpha, seed, held_out=held_out)
 
-        def deal_like_train(rows: np.ndarray) -> list[TensorExamples]:
+        def deal_like_train(rows: np.ndarray, split: str, more: str) -> list[TensorExamples]:
             parts = partition_by_proportions(labels[rows].tolist(), proportions, seed)
+            check_dealt(parts, len(rows), alpha, split, more)
             return [_digit_examples(images, labels, rows[part]) for part in parts]
 
         return SmallFederatedTask(
             task,
             train=[_digit_examples(images, labels, train[part]) for part in train_parts],
-            test=deal_like_train(test),
+            test=deal_like_train(test, "test", "lower task.valid_examples"),
             mixtures=None,
             cluster_test=[],
-            valid=None if valid is None else deal_like_train(valid),
+            valid=None if valid is None else deal_like_train(valid, "validation", "raise task.valid_examples"),
         )
     rotate, shift = "rotate" in task.name, "shift" in task.name
     membership = [k % clusters for k in range(clients)]
