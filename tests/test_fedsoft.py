@@ -218,6 +218,22 @@ def test_an_ifca_device_trains_its_lowest_loss_centre_and_sends_the_choice():
     torch.testing.assert_close(evaluated.state_dict()["net.1.weight"], near)
 
 
+def test_a_local_model_is_also_scored_on_its_own_training_data_as_fedsoft_section_5_does():
+    from ondevice_moe.federation.evaluation import prepare_test
+
+    job = Job(load_recipe(TINY_FEDSOFT), 1, Path("."))  # IFCA: the local model is the centre of lowest loss
+    state = RecordDict()
+    zero, far = torch.zeros(1, 10), torch.full((1, 10), 100.0)  # the zero map wins: a model predicting 0
+    received = ArrayRecord({centre_key(0, "net.1.weight"): far, centre_key(1, "net.1.weight"): zero}
+                           ).to_torch_state_dict()
+    model = dev.restore_trainer(job, 0, None, state).model
+    scores = prepare_test(job, 0, model, received, state)
+    task = dev.federated_task(job)
+    train_targets, test_targets = task.train[0].labels, task.test[0].labels
+    assert scores["user_0/score_train"] == pytest.approx(float((train_targets ** 2).mean()), rel=1e-5)
+    assert scores["user_0/score_train"] != pytest.approx(float((test_targets ** 2).mean()), rel=1e-3)
+
+
 # -- the rotated-digits mixture ------------------------------------------------------------------------------------
 
 
@@ -308,6 +324,9 @@ def test_two_centres_separate_on_a_10_90_mixture_of_two_sources(tmp_path, method
     for client, weights in final.items():
         majority = 1 if int(client.removeprefix("client_")) < 3 else 0  # clients 0-2 hold 10 % of source 0
         assert match[int(np.argmax(weights))] == majority, (final, match)
+    local = result.summary["methods"][method]
+    assert set(local["per_user"]["client_0"]) >= {"score", "score_train"} and local["mean_score_train"] > 0
+    assert "training data (w̄)" in (tmp_path / "run" / "report.md").read_text()
     if method == "fedem":  # its own prediction, the π-mixture of the centres, scored beside its centre of largest π
         mixture = result.summary["methods"]["fedem-mixture"]["per_user"]
         assert set(mixture) == set(final) and mixture != result.summary["methods"]["fedem"]["per_user"]

@@ -93,6 +93,9 @@ def test_each_source_is_scored_alone_by_every_centre_and_a_centre_exports_as_a_p
     centres = result.summary["methods"]["fedsoft"]["centres"]
     assert sorted(centres) == [f"centre_{c}_source_{s}" for c in (0, 1) for s in (0, 1)]
     assert all(1 < value < 1e4 for value in centres.values())
+    for user in result.summary["users"]:  # its own model on its training blocks too (FedSoft §5's w̄)
+        values = result.summary["methods"]["fedsoft"]["per_user"][user]
+        assert 1 < values["train_in"] < 1e4 and values["train_in"] != values["in"]
     report = (tmp_path / "run" / "report.md").read_text()
     assert "each centre (column) on each source's test set" in report
     rows = [line for line in report.splitlines() if line.startswith("| θ_")]

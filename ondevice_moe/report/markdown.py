@@ -36,8 +36,8 @@ def write_report(run_dir: Path, recipe_name: str, summary: dict[str, Any], plots
     caption = f"{score_title(summary)}. {where}"
     lines = [f"# {recipe_name}", "", *(f"- {markdown_cell(fact)}" for fact in facts), *([""] if facts else []),
              caption, "", markdown_table(summary), "", *_mixture_note(summary), *_centres_section(summary),
-             *_personalisation_section(summary), *_privacy_section(summary), *_drops_section(summary),
-             *_nodes_section(summary), *_overhead_section(summary)]
+             *_training_fit_section(summary), *_personalisation_section(summary), *_privacy_section(summary),
+             *_drops_section(summary), *_nodes_section(summary), *_overhead_section(summary)]
     lines += [f"![{p.stem}](plots/{p.name})" for p in plots]
     path = run_dir / "report.md"
     write_text(path, "\n".join(lines) + "\n")
@@ -80,6 +80,22 @@ def _centres_section(summary: dict[str, Any]) -> list[str]:
             lines += [f"**{name}**: each centre (column) on each source's test set (row).", "",
                       centre_table(method["centres"], lower), ""]
     return lines
+
+
+def _training_fit_section(summary: dict[str, Any]) -> list[str]:
+    """Each local model on its device's own training data beside its test figure, for methods that
+    score it (FedSoft §5: local models are scored on the clients' training data, w̄ of Table 8)."""
+    rows = []
+    for name, method in summary["methods"].items():
+        for train, test in (("score_train", "score"), ("train_in", "in")):
+            if method.get(f"mean_{train}") is not None and method.get(f"mean_{test}") is not None:
+                rows.append(f"| {name} | {method[f'mean_{test}']:.2f} ({method[f'std_{test}']:.2f}) | "
+                            f"{method[f'mean_{train}']:.2f} ({method[f'std_{train}']:.2f}) |")
+    if not rows:
+        return []
+    return ["Each client's local model on its test split and on its own training data (FedSoft §5 scores local "
+            "models on the training data: w̄), mean (std) over clients:", "",
+            "| method | test | training data (w̄) |", "|---|---|---|", *rows, ""]
 
 
 def _personalisation_section(summary: dict[str, Any]) -> list[str]:

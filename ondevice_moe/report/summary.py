@@ -41,7 +41,9 @@ VALUE_KEYS = {"test_ppl_in": "in", "test_ppl_out": "out", "score": "score",
               "score_global": "score_global", "global_only": "global_only", "personal_only": "personal_only",
               "both_correct": "both_correct", "neither_correct": "neither_correct",
               # Flow on a language model: the global model's perplexities beside the personalised ones.
-              "test_ppl_in_global": "in_global", "test_ppl_out_global": "out_global"}
+              "test_ppl_in_global": "in_global", "test_ppl_out_global": "out_global",
+              # A local model on its own training data (FedSoft §5's w̄), beside its test figures.
+              "score_train": "score_train", "train_ppl_in": "train_in"}
 # Cluster centres scored on each source's test set (FedSoft, IFCA), kept as they are.
 CENTRE_KEY = re.compile(r"centre_(\d+)_source_(\d+)")
 # A round's timing (``round`` records of metrics.jsonl), kept per round in summary.json.

@@ -164,12 +164,14 @@ class CentreProcedure(Procedure):
         """The model a device is tested with: FedSoft's own ``w_k`` (already in ``model``), IFCA's
         lowest-loss centre, FedEM's centre of largest π (FedSoft §5: "the center corresponding to the
         largest importance weight as a client's local model"), with FedEM's own π-mixture prediction
-        scored beside it; and on device 0 every centre on every source (:func:`centre_scores`)."""
+        scored beside it; the local model also on the device's own training data (:func:`training_scores`);
+        and on device 0 every centre on every source (:func:`centre_scores`)."""
         centres = received_centres(device, received)
         scores = {}
         if self.trains_every_centre:
             scores = mixture_scores(device, model, centres, device_mixture(device.state, len(centres)))
         local_model_of(self, device, model, centres)
+        scores |= training_scores(device, model)
         tests = device.cluster_tests() if device.index == 0 else None
         return scores | (centre_scores(device, model, centres, tests) if tests is not None else {})
 
@@ -225,6 +227,16 @@ def local_model_of(procedure: CentreProcedure, device: OnDevice, model: nn.Modul
     elif procedure.assignment == "em":
         mixture = device_mixture(device.state, len(centres))
         model.load_state_dict(centres[max(range(len(mixture)), key=mixture.__getitem__)], strict=False)
+
+
+def training_scores(device: OnDevice, model: nn.Module) -> dict[str, float]:
+    """The local model on the device's own training data, as FedSoft §5 scores local models ("they are
+    expected to fit the local data of participating clients, we hence evaluate their accuracy/error on
+    local training datasets": w̄ of Tables 3 and 8): ``score_train`` for a task, ``train_ppl_in`` for a
+    language model's training blocks. The test figures stay the run's main ones."""
+    if device.is_language_modelling:
+        return {f"user_{device.index}/train_ppl_in": device.test_on(model, BlockExamples(device.blocks("train")))}
+    return {f"user_{device.index}/score_train": device.test_on(model, device.training_examples())}
 
 
 def _train_every_centre(device: OnDevice, trainer: DeviceTrainer) -> tuple[dict[str, float], int]:
