@@ -110,6 +110,35 @@ def test_a_selected_centre_is_the_plain_mean_of_k_clients_and_the_draw_follows_t
     assert len(others) > 1, "other seeds draw other clients"
 
 
+def test_with_selected_train_only_the_drawn_clients_train_and_each_centre_is_their_plain_mean():
+    """Alg. 1 lines 16-18: after round 1 (everyone trains, the server hears every u_k and n_k), the
+    server draws Sel_s per centre from what it heard and asks only their union; centre s is the plain
+    mean of Sel_s's models. Clients 0-1 lean on centre 0, 2-3 on centre 1, so with K = 1 each centre
+    draws one client of its own group."""
+    leaning = [(0.999, 0.001), (0.999, 0.001), (0.001, 0.999), (0.001, 0.999)]
+    updates = [_update(k, float(10 ** k), 100, leaning[k]) for k in range(4)]
+    rule = CentreRule(clusters=2, selection_size=1, seed=3, selected_train=True)
+    assert rule.devices_to_train(rule.initial_slots(), [0, 1, 2, 3]) == [0, 1, 2, 3]  # nobody heard yet
+    after_first = rule.aggregate(rule.initial_slots(), updates)
+    rounds = []
+    slots = after_first
+    for _ in range(12):
+        training = rule.devices_to_train(slots, [0, 1, 2, 3])
+        assert len(training) == 2 and len({d // 2 for d in training}) == 2, training  # one of each group
+        assert rule.devices_to_train(slots, [0, 1, 2, 3]) == training  # the draw follows (seed, round)
+        arrived = [updates[d] for d in training]
+        slots = rule.aggregate(slots, arrived)
+        centre_0, centre_1 = slots["cluster_0"]["w"].item(), slots["cluster_1"]["w"].item()
+        assert {centre_0, centre_1} == {updates[d].tensors["w"].item() for d in training}  # each its one client
+        rounds.append(tuple(training))
+    assert len(set(rounds)) > 1, "other rounds draw other clients"
+    late = rule.devices_to_train({**after_first, "importances": {"0": after_first["importances"]["0"]}}, [0, 1, 2])
+    assert {1, 2} <= set(late), "a client the server has not heard from trains and reports"
+    plain = CentreRule(clusters=2, selection_size=1, seed=3)
+    assert plain.devices_to_train(after_first, [0, 1, 2, 3]) == [0, 1, 2, 3]
+    assert "importances" not in plain.aggregate(plain.initial_slots(), updates)
+
+
 def _inclusion_probabilities(weights: np.ndarray, count: int) -> np.ndarray:
     """Exact probability that each client is among ``count`` drawn in turn without replacement."""
     total = np.zeros(len(weights))
@@ -300,6 +329,22 @@ def test_scoring_the_centres_on_validation_blocks_needs_a_language_modelling_rec
 
 
 # -- a run ---------------------------------------------------------------------------------------------------------
+
+
+def test_a_selected_train_run_trains_only_the_drawn_clients_after_round_one(tmp_path):
+    recipe = load_recipe(TINY_FEDSOFT, ["methods=[fedsoft]", "fedsoft.selection_size=1",
+                                        "fedsoft.selected_train=true", "federation.rounds=4"])
+    runner.run_recipe(recipe, tmp_path / "run")
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    trained = {r["round"]: {r["user"] for r in records if r.get("kind") == "train" and r["round"] == r2}
+               for r2 in range(1, 5) for r in records if r.get("round") == r2}
+    assert len(trained[1]) == 6  # nobody heard from yet: every client trains and reports
+    assert all(1 <= len(trained[t]) <= 2 for t in (2, 3, 4)), trained  # two centres, K = 1 each
+    sent = {r["round"]: r["bytes_down"] for r in records if r.get("kind") == "comm"}
+    assert len({sent[t] / len(trained[t]) for t in (2, 3, 4)}) == 1, "one message per client drawn, none to others"
+    with pytest.raises(UserError, match="selection_size"):
+        Job(load_recipe(TINY_FEDSOFT, ["methods=[fedsoft]", "fedsoft.selection_size=null",
+                                       "fedsoft.selected_train=true"]), 0, Path("."))
 
 
 @pytest.mark.parametrize("method", ["fedsoft", "fedem"])

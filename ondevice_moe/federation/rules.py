@@ -59,6 +59,11 @@ class ServerRule:
         """The names and shapes an update from ``device`` is checked against."""
         return slots[GLOBAL]
 
+    def devices_to_train(self, slots: Slots, sampled: list[int]) -> list[int]:
+        """Of the devices the strategy sampled for a round, the ones this rule asks to train (a rule
+        that picks its clients from what it holds, as FedSoft's selection); here all of them."""
+        return sampled
+
     def weights(self) -> Weighting:
         return example_weighting(self.weighting)
 

@@ -11,7 +11,8 @@ is sent and what is kept:
   ``ArrayRecord`` with ``<slot>/<tensor>`` names. Each device is sent
   ``rule.message_for(slots, device, train_round)``: shared tensors only (CoMiGS Alg. 1).
 * **Sampling**: ``clients_per_round`` devices, or ``fraction_train`` of them,
-  drawn per round from the recipe seed (all devices by default).
+  drawn per round from the recipe seed (all devices by default); the server rule may keep fewer
+  of them (:meth:`~ondevice_moe.federation.rules.ServerRule.devices_to_train`).
 * **Devices** are the nodes of a :class:`~ondevice_moe.federation.handshake.NodeRoster`: they
   rejoin, join late and are refused between rounds.
 * **Failures**: a device that raises, goes offline, does not reply in time, is not connected, or
@@ -160,8 +161,8 @@ class SlotStrategy(Strategy):
         self._round: dict[str, Any] = {}
         self._grid: Grid | None = None
         self._privacy = PrivacyLedger(job.recipe.privacy.noise_multiplier, job.recipe.privacy.delta)
-        for done in range(1, first_round):  # the rounds a continued run took before: the same devices took part
-            self._privacy.record_round(self._sampled(done))
+        for done in range(1, first_round):  # the rounds a continued run took before: the devices sampled then
+            self._privacy.record_round(self._sampled(done))  # (a superset where the rule chose among them)
 
     @property
     def nodes(self) -> dict[int, int]:
@@ -233,7 +234,7 @@ class SlotStrategy(Strategy):
         self._grid = grid
         self.roster.refresh(grid)
         self.slots = unpack_slots(arrays, self.rule.initial_slots())
-        sampled = self._sampled(server_round)
+        sampled = self.rule.devices_to_train(self.slots, self._sampled(server_round))
         started = time.perf_counter()
         present = self._online(grid, sampled)
         self._round = {"started": started, "sampled": sampled, "present": present, "sent": {}}

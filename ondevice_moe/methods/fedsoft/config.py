@@ -31,6 +31,9 @@ class FedSoftSizes(BaseModel):
     Assumption 2, and a block's log-likelihood is the sum over its tokens) or ``mean`` (the authors'
     code, ``LanguageModelingLearner.gather_losses``: the mean per token, which tempers the E-step's
     posteriors by one over the tokens scored). Examples that are not blocks are scored by their loss.
+    ``selected_train`` (with ``selection_size``): only the clients drawn for some centre train each
+    round, as Alg. 1 lines 16–18, instead of every client training and the draw made among the
+    uploads (:mod:`~ondevice_moe.methods.fedsoft.rule`); FedSoft only.
     ``importance_split``: the blocks of text a FedSoft or IFCA client scores the centres on (Alg. 1
     lines 5–10; IFCA's choice): ``train`` (the paper: the client's training data) or ``valid``, the
     held-out validation blocks of the user's text (``data.valid_tokens``). On a few dozen blocks a
@@ -56,6 +59,7 @@ class FedSoftSizes(BaseModel):
     fedem_block_loss: Literal["sum", "mean"] = "sum"
     importance_split: Literal["train", "valid"] = "train"
     lora_centres: Literal["factors", "product"] = "factors"
+    selected_train: bool = False
 
 
 class FedSoftOptions(FedSoftSizes, MethodOptions):

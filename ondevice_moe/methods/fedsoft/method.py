@@ -50,6 +50,9 @@ def _clusters(options: FedSoftOptions, context: MethodContext) -> int:
 
 
 def _selection(options: FedSoftOptions, context: MethodContext) -> int | None:
+    if options.selected_train and options.selection_size is None:
+        raise UserError("fedsoft.selected_train trains the clients each centre draws, and no draw size is set",
+                        "set fedsoft.selection_size (K clients per centre; the paper: 60 of 100)")
     if options.selection_size is not None and options.selection_size > context.num_users:
         raise UserError(f"fedsoft.selection_size is {options.selection_size} but there are only "
                         f"{context.num_users} clients", f"use at most {context.num_users} (the paper: 60 of 100)")
@@ -75,7 +78,8 @@ def fedsoft(options: FedSoftOptions, context: MethodContext) -> Method:
                               scored_on=options.importance_split)
     return Method("fedsoft", same_for_all(context.num_users, layout), procedure=centres,
                   server_rule=CentreRule(clusters=clusters, selection_size=_selection(options, context),
-                                         seed=context.seed, lora_centres=options.lora_centres),
+                                         seed=context.seed, lora_centres=options.lora_centres,
+                                         selected_train=options.selected_train),
                   sharing=Sharing(devices_keep_models=True))
 
 

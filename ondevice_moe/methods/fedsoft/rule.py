@@ -14,6 +14,15 @@ FedSoft's ``u_k``, IFCA's one-hot choice). Then, per centre ``s``:
 * selection (Alg. 1 lines 16–18): ``K`` clients drawn with probabilities ``v_sk``,
   without replacement as the authors' ``np.random.choice(…, p=v, replace=False)``,
   and ``c_s = (1/K) Σ_{k ∈ Sel_s} w_k``, a plain mean ("simply averaging them", §3).
+  By default every client trains each round and ``Sel_s`` is drawn among the uploads;
+  ``selected_train`` draws ``Sel_s`` *before* the round, from the weights and example counts
+  each client last reported (kept in the ``importances`` slot), and only ``∪_s Sel_s`` train
+  (line 17: "Selected clients download {c_s^t}, then compute and report w_k^{t+1}"). One message
+  a round: a client not selected neither trains nor re-estimates its ``u_k``, which Alg. 1 lines
+  3–12 have every client do every τ rounds, so the server draws from the ``u_k`` it last heard.
+  In round 1, before the server has heard from anyone, every client trains and ``Sel_s`` is drawn
+  among the uploads (Alg. 1's t = 0 has every client estimate); a client first heard from later
+  trains when asked, counting towards no centre until it is drawn.
 
 FedEM (Marfoq et al., 2021, Alg. 1; ``every_centre``): each client trains and sends every
 centre (``cluster_<s>/<name>``), and centre ``s`` becomes ``Σ_k (n_k / n) w_ks``, the mean
@@ -51,6 +60,7 @@ from ondevice_moe.federation.rules import ServerRule, Slots
 from ondevice_moe.methods.fedsoft.centres import centre_key, cluster_slot, split_centres
 
 ROUNDS = "rounds"
+IMPORTANCES = "importances"  # per client (its index): the weights over the centres it last sent, then n_k
 WEIGHTS_RECORD = "mixture"  # a client's weights over the centres travel as this record's "pi"
 
 
@@ -73,6 +83,11 @@ def select_clients(weights: np.ndarray, count: int, generator: np.random.Generat
     every client with positive weight when fewer have one."""
     count = min(count, int(np.count_nonzero(weights)))
     return np.sort(generator.choice(len(weights), size=count, replace=False, p=weights))
+
+
+def _aggregated_rounds(slots: Slots) -> int:
+    """How many rounds the centres have been aggregated (the ``rounds`` slot)."""
+    return int(slots.get(ROUNDS, {}).get("count", torch.zeros(1)).item())
 
 
 def mean_model(models: list[dict[str, torch.Tensor]], weights: list[float]) -> dict[str, torch.Tensor]:
@@ -147,6 +162,7 @@ class CentreRule(ServerRule):
     seed: int = 0
     every_centre: bool = False
     lora_centres: Literal["factors", "product"] = "factors"
+    selected_train: bool = False
 
     @property
     def needs_each_update(self) -> str:
@@ -169,13 +185,39 @@ class CentreRule(ServerRule):
         """A client uploads its whole model, shaped like every centre (FedEM: every centre)."""
         return self.message_for(slots, device) if self.every_centre else slots[cluster_slot(0)]
 
+    def devices_to_train(self, slots: Slots, sampled: list[int]) -> list[int]:
+        """With ``selected_train``, the sampled clients some centre drew for this round (Alg. 1 line 16),
+        and those not heard from yet; else every sampled client."""
+        selection = self._selection_before_round(slots)
+        if selection is None:
+            return sampled
+        drawn = set().union(*selection)
+        heard = slots.get(IMPORTANCES, {})
+        return [device for device in sampled if device in drawn or str(device) not in heard]
+
+    def _selection_before_round(self, slots: Slots) -> list[set[int]] | None:
+        """Per centre, ``Sel_s``: K clients drawn with probabilities ``v_sk`` (eq. 6) from the weights and
+        counts the clients last reported, by a generator of the recipe seed, the round and ``s``; ``None``
+        without ``selected_train`` or before any client has reported."""
+        heard = slots.get(IMPORTANCES, {})
+        if not self.selected_train or not heard:
+            return None
+        devices = sorted(int(device) for device in heard)
+        reported = np.array([heard[str(device)].tolist() for device in devices], dtype=float)
+        weights = aggregation_weights(reported[:, :-1], reported[:, -1])
+        done = _aggregated_rounds(slots)
+        draws = (select_clients(row, self.selection_size, np.random.default_rng([self.seed, done, s]))
+                 for s, row in enumerate(weights))
+        return [{devices[i] for i in drawn} for drawn in draws]
+
     def aggregate(self, slots: Slots, updates: list[Update]) -> Slots:
         """Fold the updates into the centres; an update without S finite, non-negative weights
         over the centres (a malformed ``mixture`` record) counts towards none of them."""
         updates = [update for update in updates if update.tensors and self._weighs_centres(centre_weights(update))]
         if not updates:
             return slots
-        done = int(slots.get(ROUNDS, {}).get("count", torch.zeros(1)).item())
+        selection = self._selection_before_round(slots)  # the draw that chose who trained: the slots are unchanged
+        done = _aggregated_rounds(slots)
         importance = np.array([centre_weights(update) for update in updates], dtype=float)
         if self.every_centre:
             importance = np.ones_like(importance)
@@ -185,10 +227,20 @@ class CentreRule(ServerRule):
         for centre, row in enumerate(weights):
             if not row.any():
                 continue
-            models, coefficients = self._contributions(updates, row, done, centre)
+            if selection is None:
+                models, coefficients = self._contributions(updates, row, done, centre)
+            else:  # line 18: the plain mean of the drawn clients' models that arrived
+                models = [update.tensors for update in updates if update.device in selection[centre]]
+                coefficients = [1.0 / len(models)] * len(models)
+            if not models:
+                continue
             combine = product_mean if self.lora_centres == "product" else mean_model
             fresh[cluster_slot(centre)] = combine(models, coefficients)
         fresh[ROUNDS] = {"count": torch.tensor([done + 1])}
+        if self.selected_train:
+            fresh[IMPORTANCES] = {**slots.get(IMPORTANCES, {}), **{
+                str(update.device): torch.tensor([*centre_weights(update), update.num_examples], dtype=torch.float64)
+                for update in updates}}
         return fresh
 
     def check_records(self, update: Update) -> str | None:
