@@ -12,14 +12,9 @@ For every method found in all runs the table holds, over runs, the mean (std) of
 value — test perplexity in and out of distribution for language modelling, the task score for
 classification — its mean std over users, and the upload per round.
 
-For FedSoft and IFCA (methods whose summary has ``centres``) the centre-by-source table follows:
-in each run every source is matched to a centre by the assignment with the best total score
-(centre indices are arbitrary, Table 1's "center indices are assigned randomly"), then per source
-the matched centre's score, the other centres' mean, and in how many runs the matched centre is
-the best on that source.
-
-For methods with a global and a personalised model (Flow, FedAvgFT): Acc_g, Acc_p, the % of clients
-with Acc_p > Acc_g and the per-instance breakdown over runs.
+A method family may add tables of its own (its reporter, :mod:`ondevice_moe.report.reporter`): the
+centre-by-source table of clustered methods, the global and personalised models of methods that
+have both.
 
 For language modelling the table also holds the standard error of each user's mean test NLL over
 the test blocks (mean over users and runs): a 1 % perplexity gap is a NLL gap of 0.01, so one run
@@ -48,7 +43,6 @@ higher can be told apart (Hermes' ablations at ten local epochs, docs/results/he
 from __future__ import annotations
 
 import functools
-import itertools
 import json
 import math
 import statistics
@@ -59,9 +53,9 @@ from typing import Any
 from scipy import stats
 
 from ondevice_moe.errors import UserError
-from ondevice_moe.metrics import lower_is_better
+from ondevice_moe.methods.registry import reporters
 from ondevice_moe.report import DIVERGED, CorruptLog, MetricsLog, format_bytes, summarize
-from ondevice_moe.report.summary import CENTRE_KEY
+from ondevice_moe.report.across_runs import common_methods, is_number, number, spread
 
 SIGNIFICANCE = 0.05
 SHADOWED = "left_out"  # a joined summary's lines naming the methods an earlier folder of its ``A+B`` gave
@@ -77,10 +71,8 @@ def comparison(runs: list[Path], against: str | None = None, per_round: bool = F
     parts = [seed_table(summaries), *(line for summary in summaries for line in summary[SHADOWED])]
     if summaries[0].get("eval_split") == "valid":
         parts.insert(0, "VALIDATION split (eval_split: valid): these are not test figures")
-    if any("centres" in m for m in summaries[0]["methods"].values()):
-        parts.append(centre_table(summaries))
-    if any("benefiting_pct" in m for m in summaries[0]["methods"].values()):
-        parts.append(personalisation_table(summaries))
+    for reporter in reporters():
+        parts += reporter.compare_tables(summaries)
     if against is not None:
         parts.append(paired_table(summaries, against))
     if per_round:
@@ -91,7 +83,7 @@ def comparison(runs: list[Path], against: str | None = None, per_round: bool = F
 def load_summaries(runs: list[Path]) -> list[dict[str, Any]]:
     """One summary per run; ``A+B`` joins the methods of run folders of one seed (the same users)."""
     summaries = _joined_summaries(runs)
-    if not _common_methods(summaries):
+    if not common_methods(summaries):
         raise UserError("no method is in every run", "compare runs that share a method")
     return summaries
 
@@ -157,7 +149,7 @@ def _summary_at_round(run: Path, at_round: int, summary: dict[str, Any], logged:
                    else not isinstance(record.get("round"), int) or record["round"] <= at_round)]
     try:
         at = summarize(records, list(summary["methods"]), summary["users"], summary.get("metric", "perplexity"),
-                       summary.get("eval_split", "test"))
+                       summary.get("eval_split", "test"), reporters())
     except (KeyError, TypeError, ValueError, statistics.StatisticsError) as error:
         raise UserError(f"{run / 'metrics.jsonl'} has a record unlike those finetune writes ({error!r})",
                         LOG_FIX) from None
@@ -202,47 +194,24 @@ def _shape_problem(summary: object) -> str | None:
     if not (isinstance(methods, dict) and all(isinstance(entry, dict) for entry in methods.values())):
         return "'methods' is not an object of methods"
     for name, entry in methods.items():
-        per_user, centres = entry.get("per_user", {}), entry.get("centres") or {}
+        per_user = entry.get("per_user", {})
         if not (isinstance(per_user, dict) and all(isinstance(values, dict) for values in per_user.values())):
             return f"method '{name}' has per_user values that are not objects"
-        if not (isinstance(centres, dict) and all(isinstance(key, str) and CENTRE_KEY.fullmatch(key)
-                                                  for key in centres)):
-            return f"method '{name}' names a centre other than centre_<i>_source_<j>"
         figures = [*(value for key, value in entry.items() if key.startswith(("mean_", "std_"))),
-                   entry.get("benefiting_pct"), *centres.values(),
                    *(value for values in per_user.values() for value in values.values())]
-        if not all(value is None or _is_number(value) for value in figures):  # None: diverged
+        if not all(value is None or is_number(value) for value in figures):  # None: diverged
             return f"method '{name}' holds a value that is neither a number nor null"
-        if not _is_number(entry.get("upload_bytes_per_round", 0.0)):
+        if not is_number(entry.get("upload_bytes_per_round", 0.0)):
             return f"method '{name}' has an upload that is not a number"
+        problem = next(filter(None, (reporter.entry_problem(name, entry) for reporter in reporters())), None)
+        if problem:
+            return problem
     return None
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-def _spread(values: list[float | None]) -> str:
-    """Mean (std) over runs; ``diverged`` when a run has no finite figure."""
-    if any(value is None for value in values):
-        return DIVERGED
-    deviation = statistics.stdev(values) if len(values) > 1 else 0.0
-    return f"{_number(statistics.fmean(values))} ({_number(deviation)})"
-
-
-def _number(value: float, sign: str = "") -> str:
-    """Two decimals, or three significant digits for values that two decimals would show as zero
-    (the near-zero test losses of FLoRAL's synthetic tasks)."""
-    return f"{value:{sign}.2e}" if value != 0 and abs(value) < 0.005 else f"{value:{sign}.2f}"
-
-
-def _common_methods(summaries: list[dict[str, Any]]) -> list[str]:
-    return [m for m in summaries[0]["methods"] if all(m in s["methods"] for s in summaries)]
 
 
 def _value_keys(summaries: list[dict[str, Any]]) -> list[str]:
     """The values every method of every run has: ``in`` (and ``out``, off a single device) or ``score``."""
-    entries = [s["methods"][m] for s in summaries for m in _common_methods(summaries)]
+    entries = [s["methods"][m] for s in summaries for m in common_methods(summaries)]
     return [key for key in ("in", "out", "score") if all(f"mean_{key}" in entry for entry in entries)]
 
 
@@ -256,9 +225,9 @@ def seed_table(summaries: list[dict[str, Any]]) -> str:
               *(f"{k}: std over users" for k in keys),
               *(f"{k}: NLL s.e. per user" for k in keys if language), "upload / round"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for method in _common_methods(summaries):
+    for method in common_methods(summaries):
         entries = [s["methods"][method] for s in summaries]
-        cells = [_spread([e[f"mean_{k}"] for e in entries]) for k in keys]
+        cells = [spread([e[f"mean_{k}"] for e in entries]) for k in keys]
         cells += [_mean_or_diverged([e[f"std_{k}"] for e in entries]) for k in keys]
         if language:
             cells += [_mean_standard_error(entries, k) for k in keys]
@@ -268,73 +237,7 @@ def seed_table(summaries: list[dict[str, Any]]) -> str:
 
 
 def _mean_or_diverged(values: list[float | None]) -> str:
-    return DIVERGED if any(value is None for value in values) else _number(statistics.fmean(values))
-
-
-def matched_centres(centres: dict[str, float], lower_is_better: bool) -> list[list[float]]:
-    """One run's centre-by-source scores as rows per source, the centres reordered so that
-    column ``j`` is the centre matched to source ``j`` (the assignment with the best sum of
-    matched scores); unmatched centres follow."""
-    scores: dict[tuple[int, int], float] = {}
-    for key, value in centres.items():
-        centre, source = (int(part) for part in CENTRE_KEY.fullmatch(key).groups())
-        scores[centre, source] = value
-    centre_ids = sorted({centre for centre, _ in scores})
-    count_sources = 1 + max(source for _, source in scores)
-    if len(scores) != len(centre_ids) * count_sources or len(centre_ids) < count_sources or None in scores.values():
-        raise UserError(f"the centre-by-source scores {sorted(centres)} are incomplete or diverged",
-                        "compare runs whose summary.json scores every centre on every source")
-    sign = 1.0 if lower_is_better else -1.0
-    match = min(itertools.permutations(centre_ids, count_sources),
-                key=lambda order: sign * sum(scores[centre, source] for source, centre in enumerate(order)))
-    order = [*match, *(centre for centre in centre_ids if centre not in match)]
-    return [[scores[centre, source] for centre in order] for source in range(count_sources)]
-
-
-def centre_table(summaries: list[dict[str, Any]]) -> str:
-    """Per clustered method and source: the matched centre's score and the other centres'
-    mean, mean (std) over runs, and the runs in which the matched centre is the best."""
-    lower = lower_is_better(summaries[0].get("metric", "perplexity"))
-    header = ["method", "source", "matched centre", "other centres", "matched centre best"]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for method in _common_methods(summaries):
-        if not all(s["methods"][method].get("centres") for s in summaries):
-            continue
-        tables = [matched_centres(s["methods"][method]["centres"], lower) for s in summaries]
-        if len({len(table) for table in tables}) > 1:
-            raise UserError(f"the runs of '{method}' have different numbers of sources", "compare runs of one recipe")
-        for source in range(len(tables[0])):
-            own = [table[source][source] for table in tables]
-            others = [statistics.fmean(v for c, v in enumerate(table[source]) if c != source) for table in tables]
-            best = sum((min if lower else max)(table[source]) == table[source][source] for table in tables)
-            lines.append(f"| {method} | θ_{source} | {_spread(own)} | {_spread(others)} | {best} of {len(tables)} |")
-    return "\n".join(lines)
-
-
-PERSONALISATION_COLUMNS = {"Acc_g": "mean_score_global", "Acc_p": "mean_score",
-                           "% clients Acc_p > Acc_g": "benefiting_pct", "global only": "mean_global_only",
-                           "personalised only": "mean_personal_only", "both": "mean_both_correct",
-                           "neither": "mean_neither_correct"}
-PERPLEXITY_PERSONALISATION_COLUMNS = {"ppl_g in": "mean_in_global", "ppl_p in": "mean_in",
-                                      "% users ppl_p < ppl_g": "benefiting_pct", "ppl_g out": "mean_out_global",
-                                      "ppl_p out": "mean_out"}
-
-
-def personalisation_table(summaries: list[dict[str, Any]]) -> str:
-    """Flow Tables 2–3 over runs: per method with a global and a personalised model, the
-    clients' mean Acc_g and Acc_p (eq. 6–7), the % of clients with Acc_p > Acc_g and the
-    per-instance breakdown, each mean (std) over runs; on a language model, the perplexities
-    of both models in and out of distribution and the % of users whose own perplexity falls."""
-    columns = PERPLEXITY_PERSONALISATION_COLUMNS if summaries[0].get("metric") == "perplexity" \
-        else PERSONALISATION_COLUMNS
-    header = ["method", *columns]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for method in _common_methods(summaries):
-        entries = [s["methods"][method] for s in summaries]
-        if all("benefiting_pct" in e for e in entries):
-            cells = [_spread([e.get(key) for e in entries]) for key in columns.values()]
-            lines.append(f"| {method} | {' | '.join(cells)} |")
-    return "\n".join(lines)
+    return DIVERGED if any(value is None for value in values) else number(statistics.fmean(values))
 
 
 def _mean_standard_error(entries: list[dict[str, Any]], key: str) -> str:
@@ -414,14 +317,14 @@ def unit_note(summaries: list[dict[str, Any]]) -> str:
 def paired_table(summaries: list[dict[str, Any]], reference: str) -> str:
     """Every other method against ``reference``, per value: the seed-level paired gap, the runs, both
     tests and the verdict, and the (run, user) pairs as description."""
-    if reference not in _common_methods(summaries):
+    if reference not in common_methods(summaries):
         raise UserError(f"method '{reference}' is not in every run",
-                        f"use one of {', '.join(_common_methods(summaries))}")
+                        f"use one of {', '.join(common_methods(summaries))}")
     unit = " points" if "score" in _value_keys(summaries) else "%"
     header = ["method", "value", f"mean Δ{unit} vs {reference} (s.e.), over runs", "runs", "paired t p",
               "Wilcoxon p", "gap larger than noise", "(run, user) pairs: mean Δ (s.e.), n"]
     lines = [unit_note(summaries), "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for method in _common_methods(summaries):
+    for method in common_methods(summaries):
         if method == reference:
             continue
         for key in _value_keys(summaries):
@@ -430,9 +333,9 @@ def paired_table(summaries: list[dict[str, Any]], reference: str) -> str:
             pairs = paired_differences(summaries, method, reference, key)
             pair_mean, pair_error, _, _ = paired_test(pairs)
             larger = larger_than_noise(t_p, wilcoxon_p, len(seeds))
-            lines.append(f"| {method} | {key} | {_number(mean, '+')} ({_number(error)}) | {len(seeds)} | "
+            lines.append(f"| {method} | {key} | {number(mean, '+')} ({number(error)}) | {len(seeds)} | "
                          f"{t_p:.3g} | {wilcoxon_p:.3g} | {'yes' if larger else 'no'} | "
-                         f"{_number(pair_mean, '+')} ({_number(pair_error)}), {len(pairs)} |")
+                         f"{number(pair_mean, '+')} ({number(pair_error)}), {len(pairs)} |")
     return "\n".join(lines)
 
 
@@ -461,7 +364,7 @@ def round_tables(runs: list[Path], final: list[dict[str, Any]], reference: str |
     by_round = {r: _joined_summaries(runs, lambda folder, r=r: _summary_at_round(folder, r, summary_of(folder),
                                                                                   records_of(folder)))
                 for r in rounds}
-    methods, keys = _common_methods(final), _value_keys(final)
+    methods, keys = common_methods(final), _value_keys(final)
     header = ["method", "value", *(f"round {r}" for r in rounds)]
     rule = "|" + "---|" * len(header)
     values = [f"Per round: mean (std) over {len(runs)} run(s)", "", "| " + " | ".join(header) + " |", rule]
@@ -472,8 +375,8 @@ def round_tables(runs: list[Path], final: list[dict[str, Any]], reference: str |
             cells, gap_cells = [], []
             for r in rounds:
                 summaries = by_round[r]
-                present = method in _common_methods(summaries)
-                cells.append(_spread([s["methods"][method].get(f"mean_{key}") for s in summaries]) if present
+                present = method in common_methods(summaries)
+                cells.append(spread([s["methods"][method].get(f"mean_{key}") for s in summaries]) if present
                              else "–")
                 if reference is not None and method != reference:
                     gap_cells.append(_round_gap(summaries, method, reference, key) if present else "–")
@@ -484,16 +387,16 @@ def round_tables(runs: list[Path], final: list[dict[str, Any]], reference: str |
 
 
 def _round_gap(summaries: list[dict[str, Any]], method: str, reference: str, key: str) -> str:
-    if reference not in _common_methods(summaries):
+    if reference not in common_methods(summaries):
         return "–"
     seeds = seed_differences(summaries, method, reference, key)
     mean, error, t_p, wilcoxon_p = paired_test(seeds)
-    gap = f"{_number(mean, '+')} ({_number(error)})"
+    gap = f"{number(mean, '+')} ({number(error)})"
     if larger_than_noise(t_p, wilcoxon_p, len(seeds)):
         gap = f"**{gap}**"
     return f"{gap}, {t_p:.2g} / {wilcoxon_p:.2g}"
 
 
-__all__ = ["comparison", "evaluated_rounds", "larger_than_noise", "load_summaries", "matched_centres",
+__all__ = ["comparison", "evaluated_rounds", "larger_than_noise", "load_summaries",
            "paired_differences", "paired_table", "paired_test", "round_tables", "run_differences", "seed_differences",
            "seed_table", "unit_note"]

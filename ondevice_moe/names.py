@@ -33,10 +33,6 @@ def folder_name(method_name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._+-]", "_", method_name).lstrip(".")[:100] or "_"
 
 
-MIXTURE_SUFFIX = "_mixture"
-"""A per-user score of a method's second prediction (FedEM's π-mixture of its centres) carries this
-suffix; the report summarises it as a method ``<method>-mixture``."""
-
 
 _UNSAFE = re.compile(r"[\x00-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
 _UNSAFE_BUT_NEWLINES = re.compile(r"[\x00-\x09\x0b-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")

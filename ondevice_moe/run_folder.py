@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from ondevice_moe.errors import UserError
+from ondevice_moe.methods.registry import reporters
 from ondevice_moe.names import folder_name
 from ondevice_moe.recipe import Recipe, validate_recipe
 from ondevice_moe.report import (
@@ -147,7 +148,8 @@ def finish_report(recipe: Recipe, run_dir: Path) -> RunResult:
                if method.name in finished]  # a method that failed under `flwr run` reports its error instead
     records = log.read()
     names = [m.name for m in methods]
-    summary = summarize(records, names, recipe.user_names, recipe.metric, eval_split(recipe))
+    families = reporters()
+    summary = summarize(records, names, recipe.user_names, recipe.metric, eval_split(recipe), families)
     summary["seed"], summary["split_seed"] = recipe.seed, recipe.split_seed  # compare: the test's unit and n
     failed = {r["method"]: r["message"] for r in records if r.get("kind") == "error" and r["method"] not in finished}
     plots = [p for p in (plot_rounds(records, names, run_dir / "plots" / "rounds.png"),
@@ -160,7 +162,7 @@ def finish_report(recipe: Recipe, run_dir: Path) -> RunResult:
             if plot:
                 plots.append(plot)
     facts = run_facts(recipe, summary) + [f"did not finish: {name} ({message})" for name, message in failed.items()]
-    report = write_report(run_dir, recipe.name, summary, plots, facts)
+    report = write_report(run_dir, recipe.name, summary, plots, facts, families)
     return RunResult(run_dir, summary, report)
 
 

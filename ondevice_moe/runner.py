@@ -25,6 +25,7 @@ from ondevice_moe.errors import UserError, failure_line
 from ondevice_moe.federation.job import JOB_ENV, Job
 from ondevice_moe.federation.node import folder_node
 from ondevice_moe.folder_lock import FolderBusy, folder_lock, live_holder
+from ondevice_moe.methods.registry import reporters
 from ondevice_moe.overrides import apply_override
 from ondevice_moe.plan import UserCounts, data_counts
 from ondevice_moe.recipe import Recipe, validate_recipe
@@ -228,7 +229,7 @@ def evaluate_run(run_dir: Path, suite: str | None = None, device: str | None = N
                                     **values})
     names = [job.method.name for job in jobs]
     trained = [record for record in logged if record.get("method") in names and record["kind"] in TRAINING_FIGURES]
-    summary = summarize(trained + records, names, recipe.user_names, recipe.metric, eval_split(recipe))
+    summary = summarize(trained + records, names, recipe.user_names, recipe.metric, eval_split(recipe), reporters())
     unfinished = still_training(run_dir, recipe)
     return {**summary, "still_training": unfinished} if unfinished else summary
 

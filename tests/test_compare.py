@@ -13,6 +13,8 @@ from typer.testing import CliRunner
 from ondevice_moe import compare
 from ondevice_moe.cli import app
 from ondevice_moe.errors import UserError
+from ondevice_moe.methods.fedsoft import report as centres_report
+from ondevice_moe.methods.flow import report as personalisation_report
 from ondevice_moe.report import MetricsLog, summarize
 
 USERS = ["a", "b", "c", "d"]
@@ -136,18 +138,18 @@ def test_centres_are_matched_to_sources_before_they_are_averaged_over_runs():
             {"c0s0": 70.0, "c0s1": 30.0, "c1s0": 12.0, "c1s1": 60.0}]
     summaries = [{"users": USERS, "metric": "mse", "methods": {"fedsoft": {
         "centres": {f"centre_{k[1]}_source_{k[3]}": v for k, v in run.items()}}}} for run in runs]
-    assert compare.matched_centres(summaries[1]["methods"]["fedsoft"]["centres"], True) == [[12.0, 70.0],
+    assert centres_report.matched_centres(summaries[1]["methods"]["fedsoft"]["centres"], True) == [[12.0, 70.0],
                                                                                               [60.0, 30.0]]
-    table = compare.centre_table(summaries).splitlines()
+    table = centres_report.compared_centres(summaries).splitlines()
     assert table[2] == "| fedsoft | θ_0 | 11.00 (1.41) | 75.00 (7.07) | 2 of 2 |"
     assert table[3] == "| fedsoft | θ_1 | 25.00 (7.07) | 75.00 (21.21) | 2 of 2 |"
 
 
 def test_personalisation_table_averages_flow_columns_over_runs():
-    columns = compare.PERSONALISATION_COLUMNS.values()
+    columns = personalisation_report.PERSONALISATION_COLUMNS.values()
     runs = [{"users": ["a"], "methods": {"flow": {key: base + offset for offset, key in enumerate(columns)},
                                          "fedavg": {"mean_score": 50.0}}} for base in (10.0, 20.0)]
-    lines = compare.personalisation_table(runs).splitlines()
+    lines = personalisation_report.personalisation_table(runs).splitlines()
     assert len(lines) == 3  # header, rule, flow (fedavg has no global/personalised pair)
     assert lines[2] == "| flow | " + " | ".join(f"{15.0 + i:.2f} (7.07)" for i in range(len(columns))) + " |"
 

@@ -20,6 +20,7 @@ from ondevice_moe.methods.fedsoft import procedure as centres_side
 from ondevice_moe.methods.fedsoft.centres import centre_key, mixture_of, responsibilities, split_centres
 from ondevice_moe.methods.fedsoft.prediction import CentreMixture
 from ondevice_moe.methods.fedsoft.rule import CentreRule
+from ondevice_moe.methods.registry import reporters
 from ondevice_moe.models.small import small_model
 from ondevice_moe.recipe import load_recipe, validate_recipe
 from ondevice_moe.report import summarize, write_report
@@ -219,9 +220,10 @@ def test_the_summary_and_report_list_fedems_mixture_prediction_as_a_method_of_it
     records = [{"kind": "eval", "method": "fedem", "round": 3, "user": user, "score": score,
                 "score_mixture": mixture, "user_index": index}
                for index, (user, score, mixture) in enumerate([("a", 10.0, 8.0), ("b", 20.0, 12.0)])]
-    methods = summarize(records, ["fedem"], ["a", "b"], metric="mse")["methods"]
+    families = reporters()
+    methods = summarize(records, ["fedem"], ["a", "b"], metric="mse", reporters=families)["methods"]
     assert methods["fedem"]["mean_score"] == 15.0 and methods["fedem-mixture"]["mean_score"] == 10.0
     assert methods["fedem-mixture"]["per_user"] == {"a": {"score": 8.0}, "b": {"score": 12.0}}
-    report = (write_report(tmp_path, "fedem", summarize(records, ["fedem"], ["a", "b"], metric="mse"), [])
-              .read_text(encoding="utf-8"))
+    summary = summarize(records, ["fedem"], ["a", "b"], metric="mse", reporters=families)
+    report = write_report(tmp_path, "fedem", summary, [], reporters=families).read_text(encoding="utf-8")
     assert "`fedem-mixture`: fedem's own prediction" in report and "| fedem-mixture | 8.00 | 12.00 |" in report

@@ -83,9 +83,6 @@ STILL_NAMING = {
     "methods/registry.py": "the registry: it names every method by design",
     "methods/scaffold.py": "the scaffold's template and its help text",
     "cli.py": "export/eval --centre (FedSoft, IFCA) and method names in help texts",
-    "compare.py": "FedSoft's centre columns",
-    "report/markdown.py": "FedSoft's centre tables and Flow's personalisation section",
-    "report/summary.py": "the cluster centres' per-source scores (FedSoft, IFCA) kept in summary.json",
     "recipe.py": "the method families' default sections, imported from their folders",
     "layout.py": "router kinds and mixing modes named after their papers (one _attach_* per mode)",
     "federation/device/checkpoints.py": "FedSoft's server checkpoints of the centres",
@@ -100,7 +97,6 @@ STILL_NAMING = {
     "data/small.py": "the synthetic tasks of the FedSoft and FLoRAL papers",
     "data/tasks.py": "the tasks of the FedSoft and FLoRAL papers",
     "models/registry.py": "FLoRAL's small models",
-    "names.py": "FedEM's mixture suffix in reports",
 }
 
 

@@ -2,6 +2,7 @@
 loss curves."""
 
 from pathlib import Path
+from types import MappingProxyType
 
 import matplotlib.pyplot as plt
 import pytest
@@ -107,3 +108,35 @@ def test_a_diverged_user_is_reported_as_diverged_and_the_summary_stays_strict_js
     written = json.loads((tmp_path / "summary.json").read_text())  # strict: no Infinity or NaN tokens
     assert written["methods"]["fedavg"]["per_user"]["a"]["in"] is None
     assert "NaN" not in (tmp_path / "summary.json").read_text()
+
+
+def test_a_plugin_familys_reporter_adds_its_values_fields_rows_and_section(tmp_path, monkeypatch):
+    """A method of a plug-in brings its own figures through MethodSpec(reporter=...): the registry lists
+    the reporter once, the summary keeps its value and field, the report prints its section."""
+    from ondevice_moe.methods.registry import METHODS, reporters
+    from ondevice_moe.methods.spec import MethodSpec
+    from ondevice_moe.report.reporter import Reporter
+
+    class Widest(Reporter):
+        value_keys = MappingProxyType({"score_spread": "spread"})
+
+        def entry_fields(self, final, users):
+            return {"widest": max(final[u]["score_spread"] for u in users)} if "score_spread" in final[users[0]] else {}
+
+        def sections(self, summary):
+            return [f"widest spread: {m['widest']}" for m in summary["methods"].values() if "widest" in m]
+
+    widest = Widest()
+    fedavg = METHODS["fedavg"]
+    monkeypatch.setitem(METHODS, "spread-a", MethodSpec(fedavg.options, fedavg.build, reporter=widest))
+    monkeypatch.setitem(METHODS, "spread-b", MethodSpec(fedavg.options, fedavg.build, reporter=widest))
+    families = reporters()
+    assert [r for r in families if r is widest] == [widest]
+    records = [{"method": "spread-a", "round": 1, "kind": "eval", "user": user, "score": score, "score_spread": spread}
+               for user, score, spread in (("a", 60.0, 3.0), ("b", 70.0, 5.0))]
+    summary = report.summarize(records, ["spread-a"], ["a", "b"], metric="accuracy", reporters=families)
+    entry = summary["methods"]["spread-a"]
+    assert entry["mean_spread"] == 4.0 and entry["widest"] == 5.0 and entry["per_user"]["b"]["spread"] == 5.0
+    assert "widest spread: 5.0" in report.write_report(tmp_path, "r", summary, [], reporters=families).read_text()
+    plain = report.summarize(records, ["spread-a"], ["a", "b"], metric="accuracy")
+    assert "widest" not in plain["methods"]["spread-a"] and "mean_spread" not in plain["methods"]["spread-a"]

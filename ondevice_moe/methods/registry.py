@@ -29,10 +29,12 @@ from ondevice_moe.methods.comigs.config import (
 )
 from ondevice_moe.methods.comigs.method import comigs
 from ondevice_moe.methods.fedsoft import method as fedsoft_methods
+from ondevice_moe.methods.fedsoft import report as fedsoft_report
 from ondevice_moe.methods.fedsoft.config import FedSoftOptions
 from ondevice_moe.methods.floral import method as floral_methods
 from ondevice_moe.methods.floral.config import FedAvgAdaptorOptions, FLoRALOptions, LocalAdaptorOptions
 from ondevice_moe.methods.flow import method as flow_methods
+from ondevice_moe.methods.flow import report as flow_report
 from ondevice_moe.methods.flow.config import FlowOptions
 from ondevice_moe.methods.hermes import baselines as hermes_baselines
 from ondevice_moe.methods.hermes.config import HermesBaselineOptions, HermesOptions
@@ -41,6 +43,7 @@ from ondevice_moe.methods.mixture.config import MixtureOptions
 from ondevice_moe.methods.mixture.method import mixture
 from ondevice_moe.methods.plugins import Registry
 from ondevice_moe.methods.spec import ANY_TASK, CLASSIFICATION, LANGUAGE, SMALL, MethodSpec
+from ondevice_moe.report.reporter import Reporter
 
 _LM = frozenset({LANGUAGE})
 _TEXT = frozenset({LANGUAGE, CLASSIFICATION})
@@ -74,14 +77,14 @@ BUILT_IN: dict[str, MethodSpec] = {
     "ensemble": MethodSpec(FLoRALOptions, floral_methods.ensemble, _SMALL, "floral"),
     "local-adaptor": MethodSpec(LocalAdaptorOptions, floral_methods.local_adaptor, _ANY, "floral"),
     "fedavg-adaptor": MethodSpec(FedAvgAdaptorOptions, floral_methods.fedavg_adaptor, _ANY, "floral"),
-    "fedsoft": MethodSpec(FedSoftOptions, fedsoft_methods.fedsoft, _ANY, "fedsoft"),
-    "ifca": MethodSpec(FedSoftOptions, fedsoft_methods.ifca, _ANY, "fedsoft"),
-    "fedem": MethodSpec(FedSoftOptions, fedsoft_methods.fedem, _ANY, "fedsoft"),
+    "fedsoft": MethodSpec(FedSoftOptions, fedsoft_methods.fedsoft, _ANY, "fedsoft", fedsoft_report.REPORTER),
+    "ifca": MethodSpec(FedSoftOptions, fedsoft_methods.ifca, _ANY, "fedsoft", fedsoft_report.REPORTER),
+    "fedem": MethodSpec(FedSoftOptions, fedsoft_methods.fedem, _ANY, "fedsoft", fedsoft_report.REPORTER),
     "fedavg-cluster-adapter": MethodSpec(FedSoftOptions, fedsoft_methods.fedavg_cluster_adapter, _ANY, "fedsoft"),
-    "flow": MethodSpec(FlowOptions, flow_methods.flow, _ANY, "flow"),
-    "fedavgft": MethodSpec(FlowOptions, flow_methods.fedavg_ft, _ANY, "flow"),
-    "ditto": MethodSpec(FlowOptions, flow_methods.ditto, _ANY, "flow"),
-    "apfl": MethodSpec(FlowOptions, flow_methods.apfl, _ANY, "flow"),
+    "flow": MethodSpec(FlowOptions, flow_methods.flow, _ANY, "flow", flow_report.REPORTER),
+    "fedavgft": MethodSpec(FlowOptions, flow_methods.fedavg_ft, _ANY, "flow", flow_report.REPORTER),
+    "ditto": MethodSpec(FlowOptions, flow_methods.ditto, _ANY, "flow", flow_report.REPORTER),
+    "apfl": MethodSpec(FlowOptions, flow_methods.apfl, _ANY, "flow", flow_report.REPORTER),
 }
 
 
@@ -102,6 +105,16 @@ def method_origins() -> dict[str, str]:
     """Where each method comes from: ``built-in``, ``package <name>`` or ``file <path>``."""
     available_methods()
     return dict(REGISTRY.origins)
+
+
+def reporters(plugin_files: tuple[Path, ...] = ()) -> list[Reporter]:
+    """Every method family's reporter (built-in, of installed packages and of ``plugin_files``), each
+    once, in the registry's order: what a summary, a report or ``compare`` adds for the families."""
+    found: list[Reporter] = []
+    for spec in available_methods(plugin_files).values():
+        if spec.reporter is not None and all(spec.reporter is not known for known in found):
+            found.append(spec.reporter)
+    return found
 
 
 def method_spec(name: str) -> MethodSpec:

@@ -7,9 +7,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ondevice_moe.metrics import lower_is_better
 from ondevice_moe.names import markdown_cell
-from ondevice_moe.report.summary import CENTRE_KEY, NOT_MEASURED, finite_json, score_title, table_rows
+from ondevice_moe.report.reporter import Reporter
+from ondevice_moe.report.summary import NOT_MEASURED, finite_json, score_title, table_rows
 from ondevice_moe.safe_files import write_text
 
 
@@ -21,9 +21,9 @@ def markdown_table(summary: dict[str, Any]) -> str:
 
 
 def write_report(run_dir: Path, recipe_name: str, summary: dict[str, Any], plots: list[Path],
-                 facts: Sequence[str] = ()) -> Path:
+                 facts: Sequence[str] = (), reporters: Sequence[Reporter] = ()) -> Path:
     """``summary.json`` and ``report.md``: the run's ``facts`` (seed, rounds, devices, date, versions,
-    dropped updates), the results table, the method-specific sections and the plots."""
+    dropped updates), the results table, the method families' sections (``reporters``) and the plots."""
     write_text(run_dir / "summary.json", json.dumps(finite_json(summary), indent=2, allow_nan=False))
     split = "validation" if summary.get("eval_split") == "valid" else "test"
     where = (f"Per-user columns are in distribution (each user's own {split} split); out of distribution is the "
@@ -35,98 +35,13 @@ def write_report(run_dir: Path, recipe_name: str, summary: dict[str, Any], plots
                   "each device holds only its own data (docs/deployment.md).")
     caption = f"{score_title(summary)}. {where}"
     lines = [f"# {recipe_name}", "", *(f"- {markdown_cell(fact)}" for fact in facts), *([""] if facts else []),
-             caption, "", markdown_table(summary), "", *_mixture_note(summary), *_centres_section(summary),
-             *_training_fit_section(summary), *_personalisation_section(summary), *_privacy_section(summary),
-             *_drops_section(summary), *_nodes_section(summary), *_overhead_section(summary)]
+             caption, "", markdown_table(summary), "", *(line for r in reporters for line in r.sections(summary)),
+             *_privacy_section(summary), *_drops_section(summary), *_nodes_section(summary),
+             *_overhead_section(summary)]
     lines += [f"![{p.stem}](plots/{p.name})" for p in plots]
     path = run_dir / "report.md"
     write_text(path, "\n".join(lines) + "\n")
     return path
-
-
-def centre_table(centres: dict[str, float], lower_is_better: bool) -> str:
-    """A method's centres on each source's test set as markdown: a row per source ``θ_j``,
-    a column per centre ``c_s`` (FedSoft Tables 1 and 3); the best centre per row in bold."""
-    cells: dict[int, dict[int, float]] = {}
-    for key, value in centres.items():
-        centre, source = (int(part) for part in CENTRE_KEY.fullmatch(key).groups())
-        cells.setdefault(source, {})[centre] = value
-    columns = sorted({centre for row in cells.values() for centre in row})
-    lines = ["| source | " + " | ".join(f"c_{c}" for c in columns) + " |", "|" + "---|" * (len(columns) + 1)]
-    for source, row in sorted(cells.items()):
-        values = [row[c] for c in columns]
-        best = min(values) if lower_is_better else max(values)
-        lines.append(f"| θ_{source} | " + " | ".join(f"**{v:.2f}**" if v == best else f"{v:.2f}" for v in values)
-                     + " |")
-    return "\n".join(lines)
-
-
-def _mixture_note(summary: dict[str, Any]) -> list[str]:
-    """What a ``<method>-mixture`` row is, when the table has one (FedEM)."""
-    mixtures = [name for name in summary["methods"] if name.endswith("-mixture")]
-    if not mixtures:
-        return []
-    return [f"`{name}`: {name.removesuffix('-mixture')}'s own prediction, each client's π-mixture of the centres' "
-            f"outputs (Marfoq et al. 2021); `{name.removesuffix('-mixture')}`: its centre of largest π (FedSoft §5)."
-            for name in mixtures] + [""]
-
-
-def _centres_section(summary: dict[str, Any]) -> list[str]:
-    """Each clustered method's centre-by-source table, when a method has centres."""
-    lower = lower_is_better(summary.get("metric", "perplexity"))
-    lines = []
-    for name, method in summary["methods"].items():
-        if "centres" in method:
-            lines += [f"**{name}**: each centre (column) on each source's test set (row).", "",
-                      centre_table(method["centres"], lower), ""]
-    return lines
-
-
-def _training_fit_section(summary: dict[str, Any]) -> list[str]:
-    """Each local model on its device's own training data beside its test figure, for methods that
-    score it (FedSoft §5: local models are scored on the clients' training data, w̄ of Table 8)."""
-    rows = []
-    for name, method in summary["methods"].items():
-        for train, test in (("score_train", "score"), ("train_in", "in")):
-            if method.get(f"mean_{train}") is not None and method.get(f"mean_{test}") is not None:
-                rows.append(f"| {name} | {method[f'mean_{test}']:.2f} ({method[f'std_{test}']:.2f}) | "
-                            f"{method[f'mean_{train}']:.2f} ({method[f'std_{train}']:.2f}) |")
-    if not rows:
-        return []
-    return ["Each client's local model on its test split and on its own training data (FedSoft §5 scores local "
-            "models on the training data: w̄), mean (std) over clients:", "",
-            "| method | test | training data (w̄) |", "|---|---|---|", *rows, ""]
-
-
-def _personalisation_section(summary: dict[str, Any]) -> list[str]:
-    """Flow's measures, for methods with a global and a personalised model: Acc_g and Acc_p
-    (eq. 6-7, Table 2), the share of clients they benefit (Table 3) and the per-instance
-    breakdown (Fig. 2), mean (std) over clients; on a language model, both models' test
-    perplexity in and out of distribution and the % of users whose own perplexity falls."""
-    methods = {name: m for name, m in summary["methods"].items() if "benefiting_pct" in m}
-    if not methods:
-        return []
-    if all("mean_in_global" in m for m in methods.values()):
-        return _personalisation_table(methods, ("in_global", "in", "out_global", "out"), (
-            "ppl_g: every token on the global experts; ppl_p: the personalised model (Flow: routed with the hard "
-            "policy; APFL: the interpolation; FedAvgFT, Ditto: the local experts); in: the user's own test split, "
-            "out: every user's; mean (std) over users."),
-            ["ppl_g in", "ppl_p in", "ppl_g out", "ppl_p out", "% users ppl_p in < ppl_g in"])
-    return _personalisation_table(
-        methods, ("score_global", "score", "global_only", "personal_only", "both_correct", "neither_correct"), (
-            "Acc_g: every instance on the global layers; Acc_p: the personalised model (Flow: routed with the "
-            "hard policy); then the % of each client's test instances correct by the global model only, the "
-            "personalised model only, both, neither; and the % of clients with Acc_p > Acc_g."),
-        ["Acc_g", "Acc_p", "global only", "personalised only", "both", "neither", "% clients Acc_p > Acc_g"])
-
-
-def _personalisation_table(methods: dict[str, Any], shorts: tuple[str, ...], note: str, header: list[str]
-                           ) -> list[str]:
-    """The section: ``note``, then per method the mean (std) of each value and the % benefiting."""
-    rows = [f"| {name} | " + " | ".join(f"{m[f'mean_{s}']:.2f} ({m[f'std_{s}']:.2f})" for s in shorts)
-            + f" | {m['benefiting_pct']:.1f} |" for name, m in methods.items()]
-    return ["## Global and personalised models", "", note, "", "| method | " + " | ".join(header) + " |",
-            "|---" * (len(header) + 1) + "|", *rows, ""]
 
 
 def _privacy_section(summary: dict[str, Any]) -> list[str]:

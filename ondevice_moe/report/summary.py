@@ -8,13 +8,14 @@ distribution (the union of all users' test splits).
 from __future__ import annotations
 
 import math
-import re
 import statistics
 from collections import Counter
+from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 from ondevice_moe.metrics import LOWER_IS_BETTER
-from ondevice_moe.names import MIXTURE_SUFFIX
+from ondevice_moe.report.reporter import Reporter
 
 
 def _mean_std(values: list[float]) -> tuple[float | None, float | None]:
@@ -35,17 +36,8 @@ def finite_json(value: Any) -> Any:
     return value
 
 
-# Evaluation record keys → short names in the summary.
-VALUE_KEYS = {"test_ppl_in": "in", "test_ppl_out": "out", "score": "score",
-              # Flow eq. 6-7 and Fig. 2: Acc_g beside Acc_p (``score``), and the per-instance breakdown.
-              "score_global": "score_global", "global_only": "global_only", "personal_only": "personal_only",
-              "both_correct": "both_correct", "neither_correct": "neither_correct",
-              # Flow on a language model: the global model's perplexities beside the personalised ones.
-              "test_ppl_in_global": "in_global", "test_ppl_out_global": "out_global",
-              # A local model on its own training data (FedSoft §5's w̄), beside its test figures.
-              "score_train": "score_train", "train_ppl_in": "train_in"}
-# Cluster centres scored on each source's test set (FedSoft, IFCA), kept as they are.
-CENTRE_KEY = re.compile(r"centre_(\d+)_source_(\d+)")
+# Evaluation record keys → short names in the summary; a method family adds its own (its Reporter).
+VALUE_KEYS = {"test_ppl_in": "in", "test_ppl_out": "out", "score": "score"}
 # A round's timing (``round`` records of metrics.jsonl), kept per round in summary.json.
 ROUND_KEYS = ("round", "wall_s", "slowest_client_s", "busiest_worker_s", "workers", "overhead", "wire_s")
 # Per-user uncertainty kept beside the values in summary.json (not averaged into mean/std).
@@ -53,7 +45,7 @@ ERROR_KEYS = {"test_nll_se_in": "nll_se_in", "test_nll_se_out": "nll_se_out"}
 
 
 def summarize(records: list[dict[str, Any]], methods: list[str], users: list[str], metric: str = "perplexity",
-              eval_split: str = "test") -> dict[str, Any]:
+              eval_split: str = "test", reporters: Sequence[Reporter] = ()) -> dict[str, Any]:
     """Final per-user values and their mean (std) over users, for each method that finished.
 
     Language modelling: ``in`` / ``out`` test perplexity; other tasks: the
@@ -67,7 +59,9 @@ def summarize(records: list[dict[str, Any]], methods: list[str], users: list[str
     per method, each round's wall time, slowest client, busiest worker and overhead.
     ``eval_split``: the split the language-modelling values were scored on (``data.eval_split``):
     ``test``, or ``valid`` for a run that chooses a setting (the values then are not test figures).
+    ``reporters``: the method families' own values, fields and rows (:mod:`.reporter`).
     """
+    values = partial(_values, reporters=reporters)
     summary: dict[str, Any] = {"users": users, "metric": metric, "eval_split": eval_split, "methods": {}}
     for method in methods:
         evals = [r for r in records if r["method"] == method and r["kind"] == "eval"]
@@ -79,7 +73,7 @@ def summarize(records: list[dict[str, Any]], methods: list[str], users: list[str
         if not evaluated:
             continue
         comm = [r for r in records if r["method"] == method and r["kind"] == "comm"]
-        entry: dict[str, Any] = {"rounds": last_round, **_values(final, evaluated)}
+        entry: dict[str, Any] = {"rounds": last_round, **values(final, evaluated)}
         if len(evaluated) < len(users):
             entry["not_evaluated"] = [user for user in users if user not in final]
         entry["upload_bytes_per_round"] = statistics.fmean(r["bytes_up"] for r in comm) if comm else 0.0
@@ -103,15 +97,11 @@ def summarize(records: list[dict[str, Any]], methods: list[str], users: list[str
                                 for r in sorted(privacy, key=lambda r: r["round"])]
             if "delta" in entry["privacy"][-1]:
                 entry["privacy_spent"] = {key: entry["privacy"][-1][key] for key in ("epsilon", "delta", "uploads")}
-        centres = {key: value for key, value in final[evaluated[0]].items() if CENTRE_KEY.fullmatch(key)}
-        if centres:
-            entry["centres"] = centres
+        for reporter in reporters:
+            entry.update(reporter.entry_fields(final, evaluated))
         summary["methods"][method] = entry
-        mixed = {u: {key.removesuffix(MIXTURE_SUFFIX): value for key, value in final[u].items()
-                     if key.endswith(MIXTURE_SUFFIX)} for u in evaluated}
-        if mixed[evaluated[0]]:  # FedEM's own prediction, a method of its own beside its centre of largest π
-            summary["methods"][f"{method}-mixture"] = {
-                **{key: value for key, value in entry.items() if key != "centres"}, **_values(mixed, evaluated)}
+        for reporter in reporters:
+            summary["methods"].update(reporter.extra_methods(method, entry, final, evaluated, values))
     timing = {method: sorted(({key: r.get(key) for key in ROUND_KEYS} for r in records
                               if r["method"] == method and r["kind"] == "round"), key=lambda r: r["round"])
               for method in summary["methods"]}
@@ -119,10 +109,12 @@ def summarize(records: list[dict[str, Any]], methods: list[str], users: list[str
     return summary
 
 
-def _values(final: dict[str, dict[str, Any]], users: list[str]) -> dict[str, Any]:
-    """Each user's final values by short name (``VALUE_KEYS``, ``ERROR_KEYS``), their mean and std
-    over users, and Flow's share of clients whose personalised model beats the global one."""
-    keys = {key: short for key, short in VALUE_KEYS.items() if key in final[users[0]]}
+def _values(final: dict[str, dict[str, Any]], users: list[str], reporters: Sequence[Reporter] = ()
+            ) -> dict[str, Any]:
+    """Each user's final values by short name (``VALUE_KEYS``, the reporters' ``value_keys``,
+    ``ERROR_KEYS``), their mean and std over users, and the users whose values diverged."""
+    known = {**VALUE_KEYS, **{key: short for reporter in reporters for key, short in reporter.value_keys.items()}}
+    keys = {key: short for key, short in known.items() if key in final[users[0]]}
     values: dict[str, Any] = {
         "per_user": {u: {**{short: final[u][key] for key, short in keys.items()},
                          **{short: final[u][key] for key, short in ERROR_KEYS.items() if key in final[u]}}
@@ -132,11 +124,6 @@ def _values(final: dict[str, dict[str, Any]], users: list[str]) -> dict[str, Any
     diverged = [u for u in users if not all(math.isfinite(final[u][key]) for key in keys)]
     if diverged:
         values["diverged"] = diverged
-    if "score_global" in keys:  # Flow Table 3: the share of clients with Acc_p > Acc_g
-        values["benefiting_pct"] = 100.0 * statistics.fmean(final[u]["score"] > final[u]["score_global"] for u in users)
-    if "test_ppl_in_global" in keys:  # ... and on a language model, with ppl_p < ppl_g
-        values["benefiting_pct"] = 100.0 * statistics.fmean(
-            final[u]["test_ppl_in"] < final[u]["test_ppl_in_global"] for u in users)
     return values
 
 

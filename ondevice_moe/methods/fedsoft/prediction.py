@@ -20,6 +20,9 @@ from torch import nn
 from ondevice_moe.example_loss import is_regressor
 
 Tensors = dict[str, torch.Tensor]
+MIXTURE_SUFFIX = "_mixture"
+"""A per-user score of the mixture's prediction carries this suffix; the report summarises it as a
+method ``<method>-mixture`` (:mod:`~ondevice_moe.methods.fedsoft.report`)."""
 
 
 @dataclass(frozen=True)

@@ -36,10 +36,9 @@ from ondevice_moe.methods.fedsoft.centres import (
     responsibilities,
     split_centres,
 )
-from ondevice_moe.methods.fedsoft.prediction import CentreMixture
+from ondevice_moe.methods.fedsoft.prediction import MIXTURE_SUFFIX, CentreMixture
 from ondevice_moe.methods.fedsoft.rule import WEIGHTS_RECORD
 from ondevice_moe.methods.procedure import OnDevice, Procedure
-from ondevice_moe.names import MIXTURE_SUFFIX
 from ondevice_moe.sampling import epoch_sampler
 from ondevice_moe.training import trainable_state
 
