@@ -215,6 +215,15 @@ def _value_keys(summaries: list[dict[str, Any]]) -> list[str]:
     return [key for key in ("in", "out", "score") if all(f"mean_{key}" in entry for entry in entries)]
 
 
+def _paired_keys(summaries: list[dict[str, Any]], method: str, reference: str) -> list[str]:
+    """The values ``method`` is tested on against ``reference``: those of :func:`_value_keys`, then each
+    family's ``compared`` values that both hold in every run (FedSoft's w̄ on training data, Flow's Acc_g)."""
+    entries = [s["methods"][name] for s in summaries for name in (method, reference)]
+    extra = [key for reporter in reporters() for key in reporter.compared
+             if all(entry.get(f"mean_{key}") is not None for entry in entries)]
+    return [*_value_keys(summaries), *extra]
+
+
 def seed_table(summaries: list[dict[str, Any]]) -> str:
     """Per method: the users' mean value, mean (std) over runs, its std over users, the NLL's standard
     error per user (language modelling), and the upload per round."""
@@ -254,7 +263,7 @@ def paired_differences(summaries: list[dict[str, Any]], method: str, reference: 
 
 def run_differences(summaries: list[dict[str, Any]], method: str, reference: str, key: str) -> list[list[float]]:
     """Per run, the per-user gaps of :func:`paired_differences` (a run without a pair gives an empty list)."""
-    perplexity = key in ("in", "out")
+    perplexity = key in ("in", "out") or summaries[0].get("metric", "perplexity") == "perplexity"
     runs = []
     for summary in summaries:
         ours, theirs = summary["methods"][method]["per_user"], summary["methods"][reference]["per_user"]
@@ -327,7 +336,7 @@ def paired_table(summaries: list[dict[str, Any]], reference: str) -> str:
     for method in common_methods(summaries):
         if method == reference:
             continue
-        for key in _value_keys(summaries):
+        for key in _paired_keys(summaries, method, reference):
             seeds = seed_differences(summaries, method, reference, key)
             mean, error, t_p, wilcoxon_p = paired_test(seeds)
             pairs = paired_differences(summaries, method, reference, key)

@@ -86,6 +86,29 @@ def test_the_test_is_at_the_seed_where_clients_of_one_seed_would_look_significan
     assert "share one data partition" not in compare.unit_note(summaries)
 
 
+def test_a_familys_compared_values_are_tested_where_both_methods_hold_them():
+    """FedSoft's w̄ on training data (``score_train``) is tested beside the test score where both methods
+    have it, as an absolute gap in points; a method without it is tested on the score only."""
+    def entry(scores: dict[str, float], train: dict[str, float] | None) -> dict:
+        per_user = {u: {"score": scores[u], **({"score_train": train[u]} if train else {})} for u in USERS}
+        means = {"mean_score": statistics.fmean(scores.values()), "std_score": 0.0}
+        if train:
+            means |= {"mean_score_train": statistics.fmean(train.values()), "std_score_train": 0.0}
+        return {"per_user": per_user, **means, "upload_bytes_per_round": 0.0}
+
+    summaries = []
+    for seed in range(3):
+        test = {u: 70.0 + i + seed for i, u in enumerate(USERS)}
+        summaries.append({"users": USERS, "metric": "accuracy", "methods": {
+            "ifca": entry(test, {u: v + 20 for u, v in test.items()}),
+            "fedsoft": entry({u: v - 2 for u, v in test.items()}, {u: v + 23 for u, v in test.items()}),
+            "fedavg": entry(test, None)}})
+    rows = [line for line in compare.paired_table(summaries, "ifca").splitlines() if line.startswith("| fed")]
+    assert [row.split(" | ")[:2] for row in rows] == [["| fedsoft", "score"], ["| fedsoft", "score_train"],
+                                                      ["| fedavg", "score"]]
+    assert "| -2.00 (0.00) |" in rows[0] and "| +3.00 (0.00) |" in rows[1]
+
+
 def test_paired_table_names_a_missing_reference():
     with pytest.raises(UserError, match="not in every run"):
         compare.paired_table([_summary(0)], "fedavg")

@@ -24,6 +24,8 @@ class Reporter:
 
     #: Evaluation record keys (``user_<i>/`` removed) → their short names in ``summary.json``.
     value_keys: Mapping[str, str] = MappingProxyType({})
+    #: Of those short names, the ones ``compare --against`` tests too, where both methods hold them.
+    compared: tuple[str, ...] = ()
 
     def entry_fields(self, final: Records, users: list[str]) -> dict[str, Any]:
         """Fields this family adds to a method's summary entry, from each user's last evaluation."""

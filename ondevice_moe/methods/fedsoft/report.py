@@ -33,6 +33,7 @@ class CentresReporter(Reporter):
     """FedSoft's, IFCA's and FedEM's figures (module docstring)."""
 
     value_keys = MappingProxyType({"score_train": "score_train", "train_ppl_in": "train_in"})
+    compared = ("score_train", "train_in")
 
     def entry_fields(self, final: Records, users: list[str]) -> dict[str, Any]:
         centres = {key: value for key, value in final[users[0]].items() if CENTRE_KEY.fullmatch(key)}

@@ -31,6 +31,7 @@ class PersonalisationReporter(Reporter):
 
     value_keys = MappingProxyType({"score_global": "score_global", **{case: case for case in BREAKDOWN},
                                    "test_ppl_in_global": "in_global", "test_ppl_out_global": "out_global"})
+    compared = ("score_global", "in_global", "out_global")
 
     def entry_fields(self, final: Records, users: list[str]) -> dict[str, Any]:
         first = final[users[0]]
