@@ -217,13 +217,14 @@ def test_a_mixture_needs_one_weight_per_centre():
 
 
 def test_the_summary_and_report_list_fedems_mixture_prediction_as_a_method_of_its_own(tmp_path):
-    records = [{"kind": "eval", "method": "fedem", "round": 3, "user": user, "score": score,
+    records = [{"kind": "eval", "method": "fedem", "round": 3, "user": user, "score": score, "score_train": 99.0,
                 "score_mixture": mixture, "user_index": index}
                for index, (user, score, mixture) in enumerate([("a", 10.0, 8.0), ("b", 20.0, 12.0)])]
     families = reporters()
     methods = summarize(records, ["fedem"], ["a", "b"], metric="mse", reporters=families)["methods"]
     assert methods["fedem"]["mean_score"] == 15.0 and methods["fedem-mixture"]["mean_score"] == 10.0
     assert methods["fedem-mixture"]["per_user"] == {"a": {"score": 8.0}, "b": {"score": 12.0}}
+    assert "mean_score_train" in methods["fedem"] and "mean_score_train" not in methods["fedem-mixture"]
     summary = summarize(records, ["fedem"], ["a", "b"], metric="mse", reporters=families)
     report = write_report(tmp_path, "fedem", summary, [], reporters=families).read_text(encoding="utf-8")
     assert "`fedem-mixture`: fedem's own prediction" in report and "| fedem-mixture | 8.00 | 12.00 |" in report

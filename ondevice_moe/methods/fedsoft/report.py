@@ -45,8 +45,9 @@ class CentresReporter(Reporter):
                      if key.endswith(MIXTURE_SUFFIX)} for u in users}
         if not mixed[users[0]]:
             return {}
-        return {name + MIXTURE_ROW: {**{key: value for key, value in entry.items() if key != "centres"},
-                                     **values(mixed, users)}}
+        shared = {key: value for key, value in entry.items()  # the run's figures, not the centre's values
+                  if key not in ("centres", "per_user", "diverged") and not key.startswith(("mean_", "std_"))}
+        return {name + MIXTURE_ROW: {**shared, **values(mixed, users)}}
 
     def sections(self, summary: dict[str, Any]) -> list[str]:
         return [*_mixture_note(summary), *_centres_section(summary), *_training_fit_section(summary)]
