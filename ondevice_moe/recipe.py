@@ -13,7 +13,16 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    create_model,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from ondevice_moe import strict_yaml
 from ondevice_moe.data.sources import SOURCES
@@ -22,12 +31,14 @@ from ondevice_moe.errors import UserError
 from ondevice_moe.federation.robust import Aggregation
 from ondevice_moe.federation.transport import Transport
 from ondevice_moe.methods.base import Method, MethodContext, MethodOptions
-from ondevice_moe.methods.comigs.config import LoRASizes
-from ondevice_moe.methods.fedsoft.config import FedSoftSizes
-from ondevice_moe.methods.floral.config import FLoRALSizes
-from ondevice_moe.methods.flow.config import FlowSizes
-from ondevice_moe.methods.hermes.config import HermesSizes
-from ondevice_moe.methods.registry import METHODS, available_methods, build_method, method_options
+from ondevice_moe.methods.registry import (
+    BUILT_IN,
+    METHODS,
+    available_methods,
+    build_method,
+    family_sections,
+    method_options,
+)
 from ondevice_moe.methods.spec import CLASSIFICATION, LANGUAGE, SMALL
 from ondevice_moe.models.registry import MODEL_ALIASES
 from ondevice_moe.models.small import SMALL_MODELS
@@ -538,38 +549,77 @@ class MethodEntry(BaseModel):
         return dict(self.model_extra or {})
 
 
-class Recipe(_Section):
-    """A run: language modelling (``data`` with users) or classification (``task``)."""
+class _RecipeHead(_Section):
+    """A recipe's first keys: what it is called, its seeds and its base model."""
 
     name: str
     description: str = ""
     seed: int = Field(0, ge=0, lt=2**32)
     data_seed: int | None = Field(None, ge=0, lt=2**32)
     model: ModelSection = ModelSection()
-    experts: LoRASizes = LoRASizes()
-    hermes: HermesSizes = HermesSizes()
-    floral: FLoRALSizes = FLoRALSizes()
-    fedsoft: FedSoftSizes = FedSoftSizes()
-    flow: FlowSizes = FlowSizes()
+
+
+# The built-in method families' sections (``experts:``, ``hermes:``, …), each owned by its family's
+# MethodSpec (``defaults_section``, ``section``): the recipe imports none of them.
+_RecipeWithFamilies = create_model(
+    "_RecipeWithFamilies", __base__=_RecipeHead,
+    **{name: (schema, schema()) for name, schema in family_sections(BUILT_IN).items()})
+
+
+class Recipe(_RecipeWithFamilies):
+    """A run: language modelling (``data`` with users) or classification (``task``). A plug-in family's
+    section sits at the top level like a built-in one; it is kept in ``plugin_sections`` and written
+    back at the top level."""
+
     data: DataSection | None = None
     task: TaskSection | None = None
     federation: FederationSection = FederationSection()
     privacy: PrivacySection = PrivacySection()
     training: TrainingSection = TrainingSection()
     logging: LoggingSection = LoggingSection()
-    plugins: list[str] = []
+    plugins: list[str] = Field(default_factory=list)
     """Python files or package folders of methods of the recipe's own (:mod:`ondevice_moe.methods.plugins`),
     relative to the recipe; their code runs only where the user trusts it (``--trust-plugins``)."""
     methods: list[MethodEntry] = Field(min_length=1)
+    plugin_sections: dict[str, dict[str, Any]] = Field(default_factory=dict)
 
     @model_validator(mode="before")
     @classmethod
     def _register_plugins(cls, data: Any) -> Any:
-        """Register the plug-ins' methods before the method entries are read."""
+        """Register the plug-ins' methods before the method entries are read, and set aside the
+        sections their families own (checked by each family's schema once the recipe is read)."""
         plugins = data.get("plugins") if isinstance(data, dict) else None
         if isinstance(plugins, list) and all(isinstance(path, str) for path in plugins):
             available_methods(tuple(Path(path) for path in plugins))
+            owned = {key for key in family_sections() if key not in cls.model_fields}
+            if owned & set(data):
+                sections = {key: value for key, value in data.items() if key in owned}
+                data = {key: value for key, value in data.items() if key not in owned}
+                held = data.get("plugin_sections", {})
+                data["plugin_sections"] = {**held, **sections} if isinstance(held, dict) else held
         return data
+
+    @model_validator(mode="after")
+    def _plugin_sections_fit(self) -> Recipe:
+        schemas = family_sections()
+        for name, values in self.plugin_sections.items():
+            if name not in schemas:
+                raise ValueError(f"no method family owns the recipe section '{name}'")
+            schemas[name].model_validate(values)
+        return self
+
+    @model_serializer(mode="wrap")
+    def _sections_at_the_top(self, handler: Any) -> dict[str, Any]:
+        """A plug-in family's section is written where the recipe holds it: at the top level."""
+        dumped = handler(self)
+        return {**{key: value for key, value in dumped.items() if key != "plugin_sections"},
+                **dumped.get("plugin_sections", {})}
+
+    def family_section(self, name: str) -> dict[str, Any]:
+        """A family's section, as its shared defaults (a built-in one filled in by its schema)."""
+        if name in type(self).model_fields:
+            return getattr(self, name).model_dump()
+        return family_sections()[name].model_validate(self.plugin_sections.get(name, {})).model_dump()
 
     @property
     def split_seed(self) -> int:
@@ -689,7 +739,7 @@ class Recipe(_Section):
         """Entry ``index``'s options, validated by its method's schema, with its family's section as defaults."""
         entry = self.methods[index]
         section = METHODS[entry.name].defaults_section
-        defaults = getattr(self, section).model_dump() if section else {}
+        defaults = self.family_section(section) if section else {}
         try:
             return method_options(entry.name, entry.raw_options(), defaults)
         except UserError as error:

@@ -8,8 +8,8 @@ and breaks no circle. On that graph:
 * no circle of imports joins two modules;
 * no module imports a module of a higher layer;
 * outside ``ondevice_moe/methods/`` no module imports a method's own folder
-  (``ondevice_moe.methods.<folder>``), except the recipe schema's ``config`` imports: the core
-  knows methods only through ``methods.base`` and ``methods.registry``.
+  (``ondevice_moe.methods.<folder>``): the core knows methods only through ``methods.base`` and
+  ``methods.registry`` (the recipe's family sections too: each family's ``MethodSpec`` gives its schema).
 
 Each failure names the importing file, the line and the import as written.
 """
@@ -26,8 +26,6 @@ PACKAGE = "ondevice_moe"
 SOURCE = ROOT / PACKAGE
 METHODS = f"{PACKAGE}.methods"
 ARCHITECTURE = ROOT / "docs" / "architecture.md"
-# The recipe's sections (``experts:``, ``hermes:``, ``fedsoft:`` …) are the methods' option schemas.
-SCHEMA_IMPORTS = {f"{PACKAGE}.recipe": "config"}
 
 
 @dataclass(frozen=True)
@@ -257,8 +255,6 @@ def test_only_methods_import_a_method_folder() -> None:
     for imp in imports:
         folder = ".".join(imp.target.split(".")[:3])
         if folder not in folders or imp.importer == METHODS or imp.importer.startswith(f"{METHODS}."):
-            continue
-        if imp.target.split(".")[3:] == [SCHEMA_IMPORTS.get(imp.importer)]:
             continue
         reached.append(f"{imp}\n    reaches into the method folder {folder}")
     assert not reached, ("outside ondevice_moe/methods/, modules import a method's own folder (reach it through "

@@ -83,7 +83,7 @@ STILL_NAMING = {
     "methods/registry.py": "the registry: it names every method by design",
     "methods/scaffold.py": "the scaffold's template and its help text",
     "cli.py": "export/eval --centre (FedSoft, IFCA) and method names in help texts",
-    "recipe.py": "the method families' default sections, imported from their folders",
+    "recipe.py": "error messages naming FLoRAL's options and the rules that weigh by centres",
     # layout.py split into one module per mixing (issue 63): the same names, now where each is used.
     "layout/spec.py": "router kinds named after their papers ('hermes'), Flow's layout rule in its error",
     "layout/routers.py": "the Hermes router's factory, a router kind named after its paper",

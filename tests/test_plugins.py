@@ -230,3 +230,52 @@ def test_fedper_keeps_each_head_home_and_sends_what_its_dry_run_says(tmp_path, m
              for d in range(4)]
     assert not any(torch.equal(heads[0], head) for head in heads[1:]), "every device keeps a head of its own"
     assert result.summary["methods"]["fedper"]["mean_score"] > 0
+
+
+FAMILY_PLUGIN = '''
+from pydantic import BaseModel, ConfigDict
+
+from ondevice_moe.federation.rules import ServerRule
+from ondevice_moe.methods.base import Method, MethodContext, MethodOptions, Procedure, same_for_all
+from ondevice_moe.methods.spec import SMALL, MethodSpec
+
+
+class DampSizes(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    damping: float = 0.1
+
+
+class DampOptions(DampSizes, MethodOptions):
+    pass
+
+
+def damped(options: DampOptions, context: MethodContext) -> Method:
+    return Method(f"damped-{options.damping:g}", same_for_all(context.num_users, None),
+                  procedure=Procedure(full_finetune=True), server_rule=ServerRule(context.weighting))
+
+
+METHODS = {"damped": MethodSpec(DampOptions, damped, frozenset({SMALL}), "damp", section=DampSizes)}
+'''
+
+
+def test_a_plugin_family_brings_its_own_recipe_section(tmp_path, monkeypatch):
+    """A plug-in family's section sits at the recipe's top level like a built-in one: it gives the
+    family's defaults, is checked by the family's schema, and is written back where it was."""
+    from ondevice_moe.run_folder import _resolved
+
+    (tmp_path / "damp.py").write_text(FAMILY_PLUGIN)
+    monkeypatch.setenv(TRUST_ENV, "1")
+    path = _recipe_with_plugin(tmp_path, "damp.py", ["damped", {"name": "damped", "damping": 0.5}])
+    raw = yaml.safe_load(path.read_text())
+    path.write_text(yaml.safe_dump({**raw, "damp": {"damping": 0.7}}))
+    recipe = load_recipe(path)
+    assert [recipe.method(i).name for i in range(2)] == ["damped-0.7", "damped-0.5"]
+    written = yaml.safe_load(_resolved(recipe))
+    assert written["damp"] == {"damping": 0.7} and "plugin_sections" not in written
+    assert load_recipe(path).model_dump() == recipe.model_dump()
+    path.write_text(yaml.safe_dump({**raw, "damp": {"damping": "lots"}}))
+    with pytest.raises(UserError, match="damping"):
+        load_recipe(path)
+    path.write_text(yaml.safe_dump({**raw, "dampp": {"damping": 0.7}}))
+    with pytest.raises(UserError, match="dampp"):
+        load_recipe(path)

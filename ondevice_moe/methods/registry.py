@@ -13,7 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from ondevice_moe.errors import UserError
 from ondevice_moe.methods.base import Method, MethodContext, MethodOptions
@@ -24,20 +24,21 @@ from ondevice_moe.methods.comigs.config import (
     HeterogeneousRankOptions,
     HetLoRAOptions,
     LoRABaselineOptions,
+    LoRASizes,
     MoEBaselineOptions,
     PCLOptions,
 )
 from ondevice_moe.methods.comigs.method import comigs
 from ondevice_moe.methods.fedsoft import method as fedsoft_methods
 from ondevice_moe.methods.fedsoft import report as fedsoft_report
-from ondevice_moe.methods.fedsoft.config import FedSoftOptions
+from ondevice_moe.methods.fedsoft.config import FedSoftOptions, FedSoftSizes
 from ondevice_moe.methods.floral import method as floral_methods
-from ondevice_moe.methods.floral.config import FedAvgAdaptorOptions, FLoRALOptions, LocalAdaptorOptions
+from ondevice_moe.methods.floral.config import FedAvgAdaptorOptions, FLoRALOptions, FLoRALSizes, LocalAdaptorOptions
 from ondevice_moe.methods.flow import method as flow_methods
 from ondevice_moe.methods.flow import report as flow_report
-from ondevice_moe.methods.flow.config import FlowOptions
+from ondevice_moe.methods.flow.config import FlowOptions, FlowSizes
 from ondevice_moe.methods.hermes import baselines as hermes_baselines
-from ondevice_moe.methods.hermes.config import HermesBaselineOptions, HermesOptions
+from ondevice_moe.methods.hermes.config import HermesBaselineOptions, HermesOptions, HermesSizes
 from ondevice_moe.methods.hermes.method import hermes
 from ondevice_moe.methods.mixture.config import MixtureOptions
 from ondevice_moe.methods.mixture.method import mixture
@@ -87,6 +88,12 @@ BUILT_IN: dict[str, MethodSpec] = {
     "apfl": MethodSpec(FlowOptions, flow_methods.apfl, _ANY, "flow", flow_report.REPORTER),
 }
 
+# Each family's recipe section: its shared defaults, validated by this schema (the section's name is
+# the specs' ``defaults_section``).
+_SECTIONS = {"experts": LoRASizes, "hermes": HermesSizes, "floral": FLoRALSizes, "fedsoft": FedSoftSizes,
+             "flow": FlowSizes}
+BUILT_IN = {name: replace(spec, section=_SECTIONS[spec.defaults_section]) if spec.defaults_section else spec
+            for name, spec in BUILT_IN.items()}
 
 REGISTRY = Registry(BUILT_IN)
 METHODS = REGISTRY.specs
@@ -105,6 +112,24 @@ def method_origins() -> dict[str, str]:
     """Where each method comes from: ``built-in``, ``package <name>`` or ``file <path>``."""
     available_methods()
     return dict(REGISTRY.origins)
+
+
+def family_sections(specs: dict[str, MethodSpec] | None = None) -> dict[str, type[BaseModel]]:
+    """Each method family's recipe section by name, with its schema, from ``specs`` (default: every
+    method registered so far); two families claiming one section name with different schemas, or a
+    family that names a section without giving its schema, is a :class:`UserError`."""
+    sections: dict[str, type[BaseModel]] = {}
+    for name, spec in (METHODS if specs is None else specs).items():
+        if spec.defaults_section is None:
+            continue
+        if spec.section is None:
+            raise UserError(f"method '{name}' names the recipe section '{spec.defaults_section}' without its schema",
+                            "give its MethodSpec section=<a pydantic model of the section's keys>")
+        known = sections.setdefault(spec.defaults_section, spec.section)
+        if known is not spec.section:
+            raise UserError(f"method '{name}' gives the recipe section '{spec.defaults_section}' another schema "
+                            f"than the methods before it", "name the section of a new family after the family")
+    return sections
 
 
 def reporters(plugin_files: tuple[Path, ...] = ()) -> list[Reporter]:
