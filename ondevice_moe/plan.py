@@ -19,8 +19,8 @@ from ondevice_moe.data.blocks import IGNORED, BlockExamples
 from ondevice_moe.data.splits import SPLITS
 from ondevice_moe.federation.device import build_model, federated_task, upload_reference, user_data
 from ondevice_moe.federation.job import Job
-from ondevice_moe.federation.transport import encode
 from ondevice_moe.recipe import Recipe
+from ondevice_moe.server_rules.transport import encode
 
 
 @dataclass(frozen=True)

@@ -28,8 +28,6 @@ from ondevice_moe import strict_yaml
 from ondevice_moe.data.sources import SOURCES
 from ondevice_moe.data.tasks import TASKS
 from ondevice_moe.errors import UserError
-from ondevice_moe.federation.robust import Aggregation
-from ondevice_moe.federation.transport import Transport
 from ondevice_moe.methods.base import Method, MethodContext, MethodOptions
 from ondevice_moe.methods.registry import (
     BUILT_IN,
@@ -44,6 +42,8 @@ from ondevice_moe.models.registry import MODEL_ALIASES
 from ondevice_moe.models.small import SMALL_MODELS
 from ondevice_moe.names import folder_name, name_problem
 from ondevice_moe.overrides import apply_override
+from ondevice_moe.server_rules.robust import Aggregation
+from ondevice_moe.server_rules.transport import Transport
 from ondevice_moe.tracking.section import LoggingSection
 
 
@@ -409,7 +409,7 @@ class FederationSection(_Section):
     waits for replies; ``eval_every``: evaluate every n rounds (and always
     after the last); ``transport``: how shared tensors travel both ways,
     ``fp32`` (as they are), ``bf16``/``fp16`` (cast) or ``int8`` (symmetric,
-    one scale per tensor; :mod:`ondevice_moe.federation.transport`);
+    one scale per tensor; :mod:`ondevice_moe.server_rules.transport`);
     ``secure_aggregation``: ``none`` or ``secaggplus`` (Flower's SecAgg+, parameters
     under ``secaggplus``; :mod:`ondevice_moe.federation.secure_aggregation`); ``device_state``: where
     a device keeps its private tensors and optimiser state between rounds, ``memory``
@@ -421,7 +421,7 @@ class FederationSection(_Section):
     :mod:`ondevice_moe.federation.window`); ``aggregation``: ``mean`` (the method's rule), or a
     Byzantine-robust ``median``, ``trimmed-mean`` (``trim_fraction`` cut from each end) or ``krum``
     (``byzantine`` devices assumed to lie) for methods whose rule is a plain weighted mean
-    (:mod:`ondevice_moe.federation.robust`); ``update_norm_bound``: an upload whose L2 norm exceeds this
+    (:mod:`ondevice_moe.server_rules.robust`); ``update_norm_bound``: an upload whose L2 norm exceeds this
     many times the norm of what the server holds (at least 1) is rejected (``null``: no bound);
     ``join_wait_s``: on real devices, how long a method waits for every device before it starts with
     at least ``min_clients`` of them (the others join from the round after they connect).
@@ -664,7 +664,7 @@ class Recipe(_RecipeWithFamilies):
                              "holds too coarsely: an optimizer step below half a weight's spacing (in bfloat16 "
                              f"1/256 to 1/512 of the weight) rounds away; {way_out} model.dtype: float32")
         if self.federation.aggregation != "mean":
-            from ondevice_moe.federation.rules import ServerRule
+            from ondevice_moe.server_rules.rules import ServerRule
 
             plain = [m.name for m in built if type(m.server_rule) is not ServerRule or m.centralized]
             if plain:
@@ -795,7 +795,7 @@ class Recipe(_RecipeWithFamilies):
 def secure_aggregation_refusal(method: Method) -> str | None:
     """Why ``method`` cannot aggregate under SecAgg+, or ``None`` when its server rule is a plain
     weighted sum of the same tensors from every device (FedAvg, CoMiGS's generalists): its rule
-    needs each device's update (:attr:`~ondevice_moe.federation.rules.ServerRule.needs_each_update`),
+    needs each device's update (:attr:`~ondevice_moe.server_rules.rules.ServerRule.needs_each_update`),
     its devices upload different tensors, or one device trains on everyone's data."""
     rule = method.server_rule
     if rule.needs_each_update:

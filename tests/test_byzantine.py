@@ -13,10 +13,10 @@ from flwr.app import Context, RecordDict
 from test_strategy import TINY
 
 from ondevice_moe.errors import UserError
-from ondevice_moe.federation.aggregation import MEDIAN_BOUND, Update, bounded_counts
 from ondevice_moe.federation.faults import flips_labels, lie
 from ondevice_moe.federation.job import Job
 from ondevice_moe.recipe import FaultSection, load_recipe, validate_recipe
+from ondevice_moe.server_rules.aggregation import MEDIAN_BOUND, Update, bounded_counts
 
 BYZANTINE = Path(__file__).resolve().parents[1] / "recipes" / "byzantine-digits.yaml"
 

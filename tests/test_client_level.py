@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from ondevice_moe import runner
-from ondevice_moe.federation.aggregation import Update
-from ondevice_moe.federation.peers import PeerRelayRule, mix_peers, peer_key, split_peers, trust_weights
 from ondevice_moe.layout import attach_layout
 from ondevice_moe.likelihood import block_nll, perplexity_of
 from ondevice_moe.methods import method_for
 from ondevice_moe.recipe import load_recipe
 from ondevice_moe.routing.fusion import FUSION_GRID, fit_fusion, set_fusion
+from ondevice_moe.server_rules.aggregation import Update
+from ondevice_moe.server_rules.peers import PeerRelayRule, mix_peers, peer_key, split_peers, trust_weights
 from ondevice_moe.training import DeviceTrainer, TrainingConfig, trainable_state
 
 TINY = Path(__file__).parent / "recipes" / "tiny.yaml"

@@ -16,7 +16,6 @@ from ondevice_moe import runner
 from ondevice_moe.experts.layer import AdaptorKinds, layer_adaptor
 from ondevice_moe.federation import device as dev
 from ondevice_moe.federation.job import Job
-from ondevice_moe.federation.rules import ServerRule
 from ondevice_moe.layout import attach_layout
 from ondevice_moe.methods.fedsoft.procedure import CentreProcedure
 from ondevice_moe.methods.floral.rule import MixtureRule
@@ -24,6 +23,7 @@ from ondevice_moe.methods.registry import method_for
 from ondevice_moe.models.tiny import tiny_llama
 from ondevice_moe.recipe import load_recipe
 from ondevice_moe.report import score_title
+from ondevice_moe.server_rules.rules import ServerRule
 
 TESTS = Path(__file__).parent / "recipes"
 TINY = TESTS / "tiny.yaml"

@@ -13,7 +13,6 @@ from flwr.app import RecordDict
 from ondevice_moe.errors import UserError
 from ondevice_moe.example_loss import WeightedExamples, example_loss
 from ondevice_moe.federation import device as dev
-from ondevice_moe.federation.aggregation import Update
 from ondevice_moe.federation.job import Job
 from ondevice_moe.likelihood import block_nll
 from ondevice_moe.methods.fedsoft import procedure as centres_side
@@ -24,6 +23,7 @@ from ondevice_moe.methods.registry import reporters
 from ondevice_moe.models.small import small_model
 from ondevice_moe.recipe import load_recipe, validate_recipe
 from ondevice_moe.report import summarize, write_report
+from ondevice_moe.server_rules.aggregation import Update
 from ondevice_moe.training import DeviceTrainer, TrainingConfig
 
 TINY_FEDSOFT = Path(__file__).parent / "recipes" / "tiny-fedsoft.yaml"

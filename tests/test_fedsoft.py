@@ -14,7 +14,6 @@ from torch import nn
 from ondevice_moe import runner
 from ondevice_moe.errors import UserError
 from ondevice_moe.federation import device as dev
-from ondevice_moe.federation.aggregation import Update
 from ondevice_moe.federation.job import Job
 from ondevice_moe.methods.base import MethodContext
 from ondevice_moe.methods.fedsoft import procedure as centres_side
@@ -29,6 +28,7 @@ from ondevice_moe.methods.fedsoft.config import FedSoftOptions
 from ondevice_moe.methods.fedsoft.method import fedsoft, ifca
 from ondevice_moe.methods.fedsoft.rule import CentreRule, aggregation_weights, select_clients
 from ondevice_moe.recipe import load_recipe, validate_recipe
+from ondevice_moe.server_rules.aggregation import Update
 
 TINY_FEDSOFT = Path(__file__).parent / "recipes" / "tiny-fedsoft.yaml"
 

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from ondevice_moe.federation import device as dev
-from ondevice_moe.federation.aggregation import Update
 from ondevice_moe.federation.job import Job
 from ondevice_moe.methods.fedsoft.rule import (
     CentreRule,
@@ -17,6 +16,7 @@ from ondevice_moe.methods.fedsoft.rule import (
     select_clients,
 )
 from ondevice_moe.recipe import load_recipe
+from ondevice_moe.server_rules.aggregation import Update
 
 TINY = Path(__file__).parent / "recipes" / "tiny-fedsoft-lm.yaml"
 

@@ -19,7 +19,6 @@ from ondevice_moe.experts.lora import LoRA
 from ondevice_moe.experts.norm import NormAdaptor
 from ondevice_moe.experts.preconditioning import EPSILON, precondition_conv_lora, precondition_lora
 from ondevice_moe.federation import device as dev
-from ondevice_moe.federation.aggregation import Update, average
 from ondevice_moe.federation.job import Job
 from ondevice_moe.layout import ExpertSpec, Layout, RouterSpec, attach_layout
 from ondevice_moe.methods.floral.rule import MixtureRule
@@ -28,6 +27,7 @@ from ondevice_moe.models.heads import head_paths
 from ondevice_moe.models.small import small_model
 from ondevice_moe.recipe import load_recipe, validate_recipe
 from ondevice_moe.routing import client_mixture
+from ondevice_moe.server_rules.aggregation import Update, average
 from ondevice_moe.training import DeviceTrainer, TrainingConfig, trainable_state
 
 TINY_FLORAL = Path(__file__).parent / "recipes" / "tiny-floral.yaml"

@@ -5,7 +5,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from ondevice_moe.federation.aggregation import Update, average, example_weighting
 from ondevice_moe.federation.device import shared_state
 from ondevice_moe.layout import ExpertSpec, Layout, RouterSpec, attach_layout
 from ondevice_moe.methods import method_for
@@ -13,6 +12,7 @@ from ondevice_moe.methods.hermes.rule import inverse_frequency_weighting
 from ondevice_moe.models.tiny import tiny_model
 from ondevice_moe.routing.hermes import HermesRouter
 from ondevice_moe.routing.lifecycle import begin_round, routed_upload
+from ondevice_moe.server_rules.aggregation import Update, average, example_weighting
 from ondevice_moe.training import DeviceTrainer, TrainingConfig
 
 

@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from ondevice_moe.errors import UserError
-from ondevice_moe.federation.aggregation import Update
-from ondevice_moe.federation.low_rank_rules import FlexLoRARule, HetLoRARule
-from ondevice_moe.federation.rules import GLOBAL
 from ondevice_moe.layout import attach_layout
 from ondevice_moe.methods import method_for
+from ondevice_moe.server_rules.aggregation import Update
+from ondevice_moe.server_rules.low_rank_rules import FlexLoRARule, HetLoRARule
+from ondevice_moe.server_rules.rules import GLOBAL
 
 MODULE = "h.0.mlp.experts.shared_0.c_fc"
 ATTENTION = "h.0.attn.c_attn.adapters.shared.lora_A"
@@ -115,7 +115,7 @@ def test_hetlora_without_pruning_keeps_every_rank():
 
 @pytest.mark.parametrize("tiny_model", ["gpt2"], indirect=True)
 def test_a_pruned_device_pads_what_it_receives_and_holds_the_cut_ranks_at_zero(tiny_model):
-    from ondevice_moe.federation.rank_pruning import fit_received, pruning_penalty, routed_loras
+    from ondevice_moe.server_rules.rank_pruning import fit_received, pruning_penalty, routed_loras
     from ondevice_moe.training import DeviceTrainer, TrainingConfig
 
     method = method_for("hetlora", 1, ranks=[4], pruning_lambda=0.5, pruning_strength=0.75)

@@ -157,7 +157,7 @@ if __name__ == "__main__":  # the closing note's table
 
 
 def test_a_partial_upload_may_leave_names_out_but_never_add_one():
-    from ondevice_moe.federation.aggregation import Update, check_update
+    from ondevice_moe.server_rules.aggregation import Update, check_update
 
     reference = {"experts.shared_0.lora_A": torch.empty(2, 2, device="meta"),
                  "experts.shared_1.lora_A": torch.empty(2, 2, device="meta")}

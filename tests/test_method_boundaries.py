@@ -1,6 +1,6 @@
 """A method's work lives in its folder: the shared trainer, the device runtime, the ClientApp, the
 evaluation and the strategy know only the hooks of :class:`~ondevice_moe.methods.procedure.Procedure`,
-of :class:`~ondevice_moe.federation.rules.ServerRule` and of the routers' lifecycle
+of :class:`~ondevice_moe.server_rules.rules.ServerRule` and of the routers' lifecycle
 (:mod:`ondevice_moe.routing.lifecycle`)."""
 
 import ast
@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "ondevice_moe"
 DEVICE = tuple(f"federation/device/{part}.py"
                for part in ("__init__", "base", "data", "model", "upload", "checkpoints", "rounds"))
 CORE = ("training.py", *DEVICE, "federation/client_app.py", "federation/evaluation.py",
-        "federation/strategy.py", "federation/aggregation.py", "federation/rules.py", "routing/lifecycle.py",
+        "federation/strategy.py", "server_rules/aggregation.py", "server_rules/rules.py", "routing/lifecycle.py",
         "methods/base.py", "methods/procedure.py")
 # What moved into the method folders (issue 34): none of it may appear in the core again.
 MOVED = ("peer_mixing", "experts_in_turn", "pruning_lambda", "pruning_strength", "lora_preconditioning",
@@ -92,7 +92,7 @@ STILL_NAMING = {
     "layout/mlp_mixture.py": "the Hermes router's expert parameters; the CoMiGS mixture named in an error",
     "layout/layer_copies.py": "Flow's layer copies named in an error",
     "federation/device/checkpoints.py": "FedSoft's server checkpoints of the centres",
-    "federation/peers.py": "PCL's per-device slots",
+    "server_rules/peers.py": "PCL's per-device slots",
     "export/bundle.py": "--centre",
     "inspect/__init__.py": "per-method notes of the routing page",
     "inspect/capture.py": "the Hermes router's capture",
@@ -126,6 +126,6 @@ def test_outside_the_method_folders_only_a_shrinking_list_of_modules_names_a_met
     found = _naming_modules()
     assert not set(found) - set(STILL_NAMING), {m: w for m, w in found.items() if m not in STILL_NAMING}
     assert not set(STILL_NAMING) - set(found), f"no longer name a method: {sorted(set(STILL_NAMING) - set(found))}"
-    for module in ("training.py", "federation/strategy.py", "federation/aggregation.py", "federation/rules.py",
+    for module in ("training.py", "federation/strategy.py", "server_rules/aggregation.py", "server_rules/rules.py",
                    "federation/client_app.py", "methods/procedure.py", "routing/lifecycle.py"):
         assert module not in found

@@ -2,9 +2,9 @@ import pytest
 import torch
 
 from ondevice_moe.errors import UserError
-from ondevice_moe.federation.aggregation import Update, average, check_update, example_weighting
 from ondevice_moe.layout import attach_layout
 from ondevice_moe.methods import Role, method_for
+from ondevice_moe.server_rules.aggregation import Update, average, check_update, example_weighting
 from ondevice_moe.training import DeviceTrainer, TrainingConfig
 
 

@@ -235,7 +235,7 @@ def test_fedper_keeps_each_head_home_and_sends_what_its_dry_run_says(tmp_path, m
 FAMILY_PLUGIN = '''
 from pydantic import BaseModel, ConfigDict
 
-from ondevice_moe.federation.rules import ServerRule
+from ondevice_moe.server_rules.rules import ServerRule
 from ondevice_moe.methods.base import Method, MethodContext, MethodOptions, Procedure, same_for_all
 from ondevice_moe.methods.spec import SMALL, MethodSpec
 

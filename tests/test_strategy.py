@@ -18,12 +18,12 @@ from flwr.supercore.task_identity import TaskIdentity
 
 from ondevice_moe import runner
 from ondevice_moe.federation import client_app, server_app
-from ondevice_moe.federation.aggregation import Update, check_update
 from ondevice_moe.federation.handshake import FederationFailure, connect
 from ondevice_moe.federation.job import JOB_ENV, Job
 from ondevice_moe.federation.strategy import sample_devices
 from ondevice_moe.recipe import validate_recipe
 from ondevice_moe.report import MetricsLog
+from ondevice_moe.server_rules.aggregation import Update, check_update
 
 TINY = Path(__file__).parent / "recipes" / "tiny.yaml"
 

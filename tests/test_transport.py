@@ -9,12 +9,12 @@ from flwr.app import ArrayRecord
 
 from ondevice_moe import runner
 from ondevice_moe.errors import UserError
-from ondevice_moe.federation.aggregation import Update
 from ondevice_moe.federation.faults import poison
 from ondevice_moe.federation.strategy import decode_update
-from ondevice_moe.federation.transport import SCALE_SUFFIX, decode, encode
 from ondevice_moe.federation.wire import pack, record_bytes, unpack
 from ondevice_moe.recipe import load_recipe
+from ondevice_moe.server_rules.aggregation import Update
+from ondevice_moe.server_rules.transport import SCALE_SUFFIX, decode, encode
 
 TINY = Path(__file__).parent / "recipes" / "tiny.yaml"
 

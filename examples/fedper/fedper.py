@@ -5,9 +5,9 @@ them, the personalisation layers (here: the task head, the model's output layer)
 device. A recipe runs it with ``plugins: [fedper.py]`` and ``methods: [fedper]`` (``--trust-plugins``).
 """
 
-from ondevice_moe.federation.rules import ServerRule
 from ondevice_moe.methods.base import HEAD, Method, MethodContext, MethodOptions, Procedure, Sharing, same_for_all
 from ondevice_moe.methods.spec import SMALL, MethodSpec
+from ondevice_moe.server_rules.rules import ServerRule
 
 
 class FedPerOptions(MethodOptions):

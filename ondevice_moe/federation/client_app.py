@@ -14,7 +14,7 @@ On a real device every message restores the state the round asks for from the de
 goes on from the right round, and an error that leaves the device names no path on it
 (:func:`device_side`).
 Shared tensors travel encoded both ways (``federation.transport``,
-:mod:`ondevice_moe.federation.transport`): the device decodes what it receives and encodes what it sends.
+:mod:`ondevice_moe.server_rules.transport`): the device decodes what it receives and encodes what it sends.
 Under ``privacy`` the update of the shared tensors is clipped and noised before it is
 encoded (:mod:`ondevice_moe.federation.privacy`). Simulated faults (``federation.faults``)
 wrap training as a client mod; Flower's SecAgg+ (``federation.secure_aggregation``) wraps
@@ -47,9 +47,9 @@ from ondevice_moe.federation.node import REFUSED, node_facts
 from ondevice_moe.federation.privacy import noise_generator, privatize
 from ondevice_moe.federation.redaction import path_free
 from ondevice_moe.federation.secure_aggregation import secure_aggregation_mod
-from ondevice_moe.federation.transport import decode, encode
 from ondevice_moe.federation.wire import pack, unpack
 from ondevice_moe.routing.lifecycle import begin_round
+from ondevice_moe.server_rules.transport import decode, encode
 
 app = ClientApp(mods=[secure_aggregation_mod, fault_mod])
 

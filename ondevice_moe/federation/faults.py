@@ -40,9 +40,9 @@ from flwr.clientapp.typing import ClientAppCallable
 
 from ondevice_moe.federation.device_state import state_folder
 from ondevice_moe.federation.job import Job, device_job, job_from_context, message_method
-from ondevice_moe.federation.transport import decode, encode
 from ondevice_moe.federation.wire import pack, unpack
 from ondevice_moe.recipe import FaultSection
+from ondevice_moe.server_rules.transport import decode, encode
 
 FAULT_TENSOR = "fault/extra"  # the name a corrupted upload uses when the device shares nothing
 FORGED = ("sign-flip", "constant", "noise", "stale")  # faults that rewrite the upload's values

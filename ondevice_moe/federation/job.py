@@ -28,10 +28,10 @@ from flwr.app import Context, Message
 from ondevice_moe.distribution import BUNDLED_RECIPES
 from ondevice_moe.errors import UserError
 from ondevice_moe.federation.node import NodeFacts, node_facts
-from ondevice_moe.federation.rules import ServerRule
 from ondevice_moe.federation.server_runs import server_run_dir
 from ondevice_moe.methods.base import Method
 from ondevice_moe.recipe import Recipe, load_recipe, validate_recipe
+from ondevice_moe.server_rules.rules import ServerRule
 from ondevice_moe.training import TrainingConfig
 
 JOB_ENV = "ONDEVICE_MOE_JOB"

@@ -23,8 +23,8 @@ from pathlib import Path
 
 from ondevice_moe.errors import UserError
 from ondevice_moe.federation.job import Job
-from ondevice_moe.federation.rules import Slots
 from ondevice_moe.names import folder_name
+from ondevice_moe.server_rules.rules import Slots
 
 ROUND_FILE = "round.json"
 

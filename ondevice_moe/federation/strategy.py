@@ -7,12 +7,12 @@ continued run takes up (:mod:`ondevice_moe.federation.round_state`); this strate
 is sent and what is kept:
 
 * **State** is the server rule's named slots of tensors (``job.server_rule``,
-  :mod:`ondevice_moe.federation.rules`), carried between Flower's calls as one
+  :mod:`ondevice_moe.server_rules.rules`), carried between Flower's calls as one
   ``ArrayRecord`` with ``<slot>/<tensor>`` names. Each device is sent
   ``rule.message_for(slots, device, train_round)``: shared tensors only (CoMiGS Alg. 1).
 * **Sampling**: ``clients_per_round`` devices, or ``fraction_train`` of them,
   drawn per round from the recipe seed (all devices by default); the server rule may keep fewer
-  of them (:meth:`~ondevice_moe.federation.rules.ServerRule.devices_to_train`).
+  of them (:meth:`~ondevice_moe.server_rules.rules.ServerRule.devices_to_train`).
 * **Devices** are the nodes of a :class:`~ondevice_moe.federation.handshake.NodeRoster`: they
   rejoin, join late and are refused between rounds.
 * **Failures**: a device that raises, goes offline, does not reply in time, is not connected, or
@@ -20,7 +20,7 @@ is sent and what is kept:
   saying which; its bytes are not counted as uploaded). A round with fewer than ``min_clients``
   sound updates ends the method.
 * **Transport**: what travels both ways is encoded by ``federation.transport``
-  (:mod:`ondevice_moe.federation.transport`); an upload is checked as it travelled,
+  (:mod:`ondevice_moe.server_rules.transport`); an upload is checked as it travelled,
   then decoded, and the rule aggregates decoded values. Byte counts are of what travelled.
 * **Evaluation** every ``eval_every`` rounds and after the last one, on every
   device; the last one also has the devices write their checkpoints.
@@ -49,22 +49,22 @@ from flwr.supercore import log as flwr_log
 from ondevice_moe import stop_request
 from ondevice_moe.errors import UserError
 from ondevice_moe.federation.accountant import PrivacyLedger
-from ondevice_moe.federation.aggregation import Update, bounded_counts, check_update, norm_outliers
 from ondevice_moe.federation.device import save_server_checkpoint
 from ondevice_moe.federation.evaluation import user_values
 from ondevice_moe.federation.handshake import FederationFailure, NodeRoster
 from ondevice_moe.federation.job import Job
 from ondevice_moe.federation.privacy import noise_std
-from ondevice_moe.federation.robust import robust_updates
-from ondevice_moe.federation.rules import Slots
 from ondevice_moe.federation.secure_aggregation import SecureRound, secure_round
 from ondevice_moe.federation.slots import SlotKeeper
-from ondevice_moe.federation.transport import Transport, decode, encode
 from ondevice_moe.federation.window import Sent, WindowedGrid
 from ondevice_moe.federation.wire import pack, record_bytes, unpack
 from ondevice_moe.methods.base import is_expert_tensor
 from ondevice_moe.recipe import FederationSection
 from ondevice_moe.report import MetricsLog
+from ondevice_moe.server_rules.aggregation import Update, bounded_counts, check_update, norm_outliers
+from ondevice_moe.server_rules.robust import robust_updates
+from ondevice_moe.server_rules.rules import Slots
+from ondevice_moe.server_rules.transport import Transport, decode, encode
 
 Progress = Callable[[int, int, str], None]
 KeepRound = Callable[[int, Slots], None]

@@ -4,7 +4,7 @@
   experts, of which kinds and roles, under which router;
 * **procedure** (:class:`Procedure`): the device's phases each round — which
   parameters train on which split, and how often;
-* **server rule** (:class:`~ondevice_moe.federation.rules.ServerRule`): what
+* **server rule** (:class:`~ondevice_moe.server_rules.rules.ServerRule`): what
   the server keeps, sends and how uploads combine.
 
 Parameter names carry roles (``adapters.shared``, ``experts.private_0``,
@@ -21,10 +21,10 @@ from enum import Enum
 from pydantic import BaseModel, ConfigDict
 from torch import nn
 
-from ondevice_moe.federation.rules import ServerRule
 from ondevice_moe.layout import Layout
 from ondevice_moe.methods.procedure import Procedure
 from ondevice_moe.models.heads import output_layer_paths
+from ondevice_moe.server_rules.rules import ServerRule
 
 HEAD = "@head"
 """In ``Sharing.private_modules``: the model's task head, whatever its module path

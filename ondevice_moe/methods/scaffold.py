@@ -115,10 +115,10 @@ class ProximalProcedure(Procedure):
 
 RULE = '''"""{name}'s server rule: FedAvg, the shared tensors averaged by the federation's weighting.
 
-Subclass :class:`~ondevice_moe.federation.rules.ServerRule` to change what the server keeps, sends or
+Subclass :class:`~ondevice_moe.server_rules.rules.ServerRule` to change what the server keeps, sends or
 how uploads combine."""
 
-from ondevice_moe.federation.rules import ServerRule
+from ondevice_moe.server_rules.rules import ServerRule
 from ondevice_moe.methods.base import MethodContext
 
 from .options import Options
@@ -303,8 +303,8 @@ rounds (and across a restart) and never sends it.
 
 from dataclasses import dataclass
 
-from ondevice_moe.federation.aggregation import Update, average
-from ondevice_moe.federation.rules import GLOBAL, ServerRule, Slots
+from ondevice_moe.server_rules.aggregation import Update, average
+from ondevice_moe.server_rules.rules import GLOBAL, ServerRule, Slots
 from ondevice_moe.methods.base import MethodContext
 
 from .options import Options
@@ -351,8 +351,8 @@ from pathlib import Path
 
 import torch
 
-from ondevice_moe.federation.aggregation import Update
-from ondevice_moe.federation.rules import GLOBAL
+from ondevice_moe.server_rules.aggregation import Update
+from ondevice_moe.server_rules.rules import GLOBAL
 
 HERE = Path(__file__).resolve().parent
 ''' + RUNS_THROUGH_FLOWER + '''

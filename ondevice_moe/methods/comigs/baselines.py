@@ -12,9 +12,6 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ondevice_moe.errors import UserError
-from ondevice_moe.federation.low_rank_rules import FlexLoRARule, HetLoRARule
-from ondevice_moe.federation.peers import PeerRelayRule
-from ondevice_moe.federation.rules import ServerRule
 from ondevice_moe.layout import ExpertSpec, lora_experts
 from ondevice_moe.methods.base import Method, MethodContext, Procedure, Sharing, same_for_all
 from ondevice_moe.methods.comigs.config import (
@@ -27,6 +24,9 @@ from ondevice_moe.methods.comigs.config import (
 )
 from ondevice_moe.methods.comigs.method import lora_layout
 from ondevice_moe.methods.comigs.procedures import ExpertsInTurn, PeerMixing, RankSelfPruning
+from ondevice_moe.server_rules.low_rank_rules import FlexLoRARule, HetLoRARule
+from ondevice_moe.server_rules.peers import PeerRelayRule
+from ondevice_moe.server_rules.rules import ServerRule
 
 PRIVATE_PAIR = lora_experts(("private", "private"))
 SHARED_PAIR = lora_experts(("shared", "shared"))
@@ -98,7 +98,7 @@ def pfedmoe(options: LoRASizes, context: MethodContext) -> Method:
 def pcl(options: PCLOptions, context: MethodContext) -> Method:
     """PCL (Wagner et al., 2024; CoMiGS Table 2): each user's two LoRA modules (as Local),
     replaced now and then by the average of all users' modules weighted by trust,
-    softmax(−perplexity) on the user's validation split (:mod:`ondevice_moe.federation.peers`)."""
+    softmax(−perplexity) on the user's validation split (:mod:`ondevice_moe.server_rules.peers`)."""
     layout = lora_layout(options, SHARED_PAIR, "uniform", "shared")
     return Method("pcl", same_for_all(context.num_users, layout), procedure=PeerMixing(),
                   server_rule=PeerRelayRule(first_mix=options.first_mix, every=options.every),
@@ -147,7 +147,7 @@ def _ranked_layouts(options: HeterogeneousRankOptions, context: MethodContext, n
 def hetlora(options: HetLoRAOptions, context: MethodContext) -> Method:
     """HetLoRA (Cho et al., 2024; CoMiGS Table 1): heterogeneous ranks, zero-padded
     sparsity-weighted aggregation, truncation to each device's rank, and, with
-    ``pruning_lambda`` > 0, rank self-pruning (:mod:`ondevice_moe.federation.rank_pruning`)."""
+    ``pruning_lambda`` > 0, rank self-pruning (:mod:`ondevice_moe.server_rules.rank_pruning`)."""
     layouts = _ranked_layouts(options, context, "hetlora")
     pruning = options.pruning_lambda > 0
     rule = HetLoRARule(context.weighting, ranks=tuple(options.ranks),

@@ -10,10 +10,10 @@ averages the generalists and the attention LoRA (Alg. 1 line 498).
 from __future__ import annotations
 
 from ondevice_moe.errors import UserError
-from ondevice_moe.federation.rules import ServerRule
 from ondevice_moe.layout import ExpertSizes, ExpertSpec, Layout, RouterSpec
 from ondevice_moe.methods.base import Method, MethodContext, Procedure
 from ondevice_moe.methods.comigs.config import CoMiGSOptions, LoRASizes
+from ondevice_moe.server_rules.rules import ServerRule
 
 
 def lora_layout(options: LoRASizes, experts: tuple[ExpertSpec, ...], router: str, attention: str,

@@ -1,13 +1,13 @@
 """The device sides of three CoMiGS baselines that differ from plain local training.
 
 * PCL (:class:`PeerMixing`): a round may start by replacing the device's model with its peers'
-  models weighted by trust on its validation split (:mod:`ondevice_moe.federation.peers`);
+  models weighted by trust on its validation split (:mod:`ondevice_moe.server_rules.peers`);
 * FDLoRA (:class:`ExpertsInTurn`): each expert step trains one expert of each client-level
   router alone, in turn, and before its test the device fits the weight of its global and
   personal modules on its validation split (:mod:`ondevice_moe.routing.fusion`);
 * HetLoRA (:class:`RankSelfPruning`): the rank self-pruning penalty joins the loss, the ranks the
   server cut stay at zero after every step, and modules the server sends at a pruned rank are
-  padded back to the device's rank (:mod:`ondevice_moe.federation.rank_pruning`).
+  padded back to the device's rank (:mod:`ondevice_moe.server_rules.rank_pruning`).
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from ondevice_moe.federation.peers import mix_peers, split_peers
-from ondevice_moe.federation.rank_pruning import fit_received, pruning_penalty, zero_pruned_ranks
 from ondevice_moe.methods.procedure import OnDevice, Procedure, Tensors
 from ondevice_moe.mixture import mixtures
 from ondevice_moe.routing import ClientRouter
 from ondevice_moe.routing.fusion import FUSION_BLOCKS, fit_fusion
+from ondevice_moe.server_rules.peers import mix_peers, split_peers
+from ondevice_moe.server_rules.rank_pruning import fit_received, pruning_penalty, zero_pruned_ranks
 
 if TYPE_CHECKING:
     from ondevice_moe.training import DeviceTrainer

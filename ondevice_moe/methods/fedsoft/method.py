@@ -29,12 +29,12 @@ from __future__ import annotations
 from typing import Literal
 
 from ondevice_moe.errors import UserError
-from ondevice_moe.federation.rules import ServerRule
 from ondevice_moe.layout import ExpertSizes, Layout
 from ondevice_moe.methods.base import Method, MethodContext, Procedure, Sharing, same_for_all
 from ondevice_moe.methods.fedsoft.config import FedSoftOptions
 from ondevice_moe.methods.fedsoft.procedure import CentreProcedure
 from ondevice_moe.methods.fedsoft.rule import CentreRule
+from ondevice_moe.server_rules.rules import ServerRule
 
 
 def _clusters(options: FedSoftOptions, context: MethodContext) -> int:

@@ -55,9 +55,9 @@ from typing import Literal
 import numpy as np
 import torch
 
-from ondevice_moe.federation.aggregation import Update, probability_problem, record_values
-from ondevice_moe.federation.rules import ServerRule, Slots
 from ondevice_moe.methods.fedsoft.centres import centre_key, cluster_slot, split_centres
+from ondevice_moe.server_rules.aggregation import Update, probability_problem, record_values
+from ondevice_moe.server_rules.rules import ServerRule, Slots
 
 ROUNDS = "rounds"
 IMPORTANCES = "importances"  # per client (its index): the weights over the centres it last sent, then n_k

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 from ondevice_moe.errors import UserError
 from ondevice_moe.experts.layer import AdaptorKinds
-from ondevice_moe.federation.rules import ServerRule
 from ondevice_moe.layout import ExpertSpec, Layout, RouterSpec
 from ondevice_moe.methods.base import Method, MethodContext, Procedure, same_for_all
 from ondevice_moe.methods.floral.config import FedAvgAdaptorOptions, FLoRALOptions, FLoRALSizes, LocalAdaptorOptions
 from ondevice_moe.methods.floral.procedure import AdaptorProcedure
 from ondevice_moe.methods.floral.rule import MixtureRule
+from ondevice_moe.server_rules.rules import ServerRule
 
 
 def _clusters(options: FLoRALSizes, context: MethodContext) -> int:

@@ -15,14 +15,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ondevice_moe.federation.aggregation import (
+from ondevice_moe.server_rules.aggregation import (
     Update,
     Weighting,
     example_weighting,
     probability_problem,
     record_values,
 )
-from ondevice_moe.federation.rules import ServerRule
+from ondevice_moe.server_rules.rules import ServerRule
 
 MIXTURE = "mixture"  # the record a device's π travels in (FLoRAL Alg. 1 line 12)
 

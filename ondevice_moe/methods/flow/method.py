@@ -23,11 +23,11 @@
 
 from __future__ import annotations
 
-from ondevice_moe.federation.rules import ServerRule
 from ondevice_moe.layout import ExpertSizes, ExpertSpec, Layout, RouterSpec
 from ondevice_moe.methods.base import Method, MethodContext, Sharing, same_for_all
 from ondevice_moe.methods.flow.config import FlowOptions
 from ondevice_moe.methods.flow.procedure import FlowProcedure
+from ondevice_moe.server_rules.rules import ServerRule
 
 
 def _method(name: str, options: FlowOptions, context: MethodContext, policy: str) -> Method:

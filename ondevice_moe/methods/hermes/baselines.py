@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ondevice_moe.federation.rules import ServerRule
 from ondevice_moe.layout import RouterSpec
 from ondevice_moe.methods.base import Method, MethodContext, Procedure, same_for_all
 from ondevice_moe.methods.hermes.config import HermesSizes
 from ondevice_moe.methods.hermes.method import HERMES_KINDS, block_layout
+from ondevice_moe.server_rules.rules import ServerRule
 
 
 def fed_ft(options: HermesSizes, context: MethodContext) -> Method:

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ondevice_moe.federation.aggregation import Update, Weighting, example_weighting
-from ondevice_moe.federation.rules import ServerRule
+from ondevice_moe.server_rules.aggregation import Update, Weighting, example_weighting
+from ondevice_moe.server_rules.rules import ServerRule
 
 USAGE = "usage"
 

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from ondevice_moe.experts.layer import AdaptorKinds
-from ondevice_moe.federation.rules import ServerRule
 from ondevice_moe.layout import ExpertSizes, ExpertSpec, Layout, RouterSpec
 from ondevice_moe.methods.base import Method, MethodContext, Sharing, same_for_all
 from ondevice_moe.methods.floral.procedure import AdaptorProcedure
 from ondevice_moe.methods.floral.rule import MixtureRule
 from ondevice_moe.methods.hermes.rule import InverseFrequencyRule
 from ondevice_moe.methods.mixture.config import MixtureOptions
+from ondevice_moe.server_rules.rules import ServerRule
 
 
 def mixture(options: MixtureOptions, context: MethodContext) -> Method:

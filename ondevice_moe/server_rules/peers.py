@@ -28,9 +28,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ondevice_moe.federation.aggregation import Update
-from ondevice_moe.federation.rules import ServerRule, Slots
 from ondevice_moe.likelihood import block_nll, perplexity_of
+from ondevice_moe.server_rules.aggregation import Update
+from ondevice_moe.server_rules.rules import ServerRule, Slots
 
 PEER_PREFIX = "peer_"
 

@@ -7,7 +7,7 @@ pruned) adds to the local loss
 
 (``get_pruning_loss`` in the authors' ``models/gating.py``), which pushes its last
 ranks towards zero, and ranks the server has cut stay at zero after every step
-(``GeneralClient.train``). The server side (:class:`~ondevice_moe.federation.low_rank_rules.HetLoRARule`)
+(``GeneralClient.train``). The server side (:class:`~ondevice_moe.server_rules.low_rank_rules.HetLoRARule`)
 cuts a device's rank to ``⌊γr⌋`` when the norm product of its last ranks falls
 below the server's at the same positions (``_to_pruned_client_data``) and from
 then on sends that device its modules at the kept rank; the device pads them

@@ -13,7 +13,7 @@ usual. The heterogeneous pairs are the ``lora_A`` (``r × in``) and ``lora_B``
   authors' ``--is_pruning``): before aggregating, a device's module whose last
   ranks ``[⌊γr⌋, r)`` have a smaller ‖A‖·‖B‖ than the server's at the same
   positions is cut to rank ``⌊γr⌋`` for good; the kept ranks live in the
-  ``ranks`` slot (device side: :mod:`ondevice_moe.federation.rank_pruning`).
+  ``ranks`` slot (device side: :mod:`ondevice_moe.server_rules.rank_pruning`).
 * :class:`FlexLoRARule` — FlexLoRA (Bai et al., 2024): average the full updates
   ``ΔW_k = γ_k B_k A_k`` weighted by example counts, take the SVD
   ``ΔW = U Σ Vᵀ``, and send device ``k`` ``A_k = V_{r_k}ᵀ`` and
@@ -28,9 +28,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ondevice_moe.federation.aggregation import Update, average
-from ondevice_moe.federation.rank_pruning import cut_rank
-from ondevice_moe.federation.rules import GLOBAL, ServerRule, Slots
+from ondevice_moe.server_rules.aggregation import Update, average
+from ondevice_moe.server_rules.rank_pruning import cut_rank
+from ondevice_moe.server_rules.rules import GLOBAL, ServerRule, Slots
 
 A, B = "lora_A", "lora_B"
 

@@ -2,7 +2,7 @@
 
 The server's state is a set of named *slots*, each a dict of tensors: one
 ``global`` slot for FedAvg-style methods; one per device for PCL
-(:mod:`ondevice_moe.federation.peers`); ``cluster_0 … cluster_{S-1}`` for
+(:mod:`ondevice_moe.server_rules.peers`); ``cluster_0 … cluster_{S-1}`` for
 FedSoft and IFCA (:mod:`ondevice_moe.methods.fedsoft.rule`). A rule decides, per device, which tensors it is sent
 (:meth:`ServerRule.message_for`) and folds a round's sound updates into the
 slots (:meth:`ServerRule.aggregate`). Checking updates, sampling devices,
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ondevice_moe.federation.aggregation import Update, Weighting, average, example_weighting
+from ondevice_moe.server_rules.aggregation import Update, Weighting, average, example_weighting
 
 Slots = dict[str, dict[str, torch.Tensor]]
 GLOBAL = "global"

@@ -20,7 +20,7 @@ from typing import Literal
 
 import torch
 
-from ondevice_moe.federation.aggregation import Update
+from ondevice_moe.server_rules.aggregation import Update
 
 Aggregation = Literal["mean", "median", "trimmed-mean", "krum"]
 
