@@ -193,6 +193,7 @@ def _shape_problem(summary: object) -> str | None:
         return "'users' is not a list of names"
     if not (isinstance(methods, dict) and all(isinstance(entry, dict) for entry in methods.values())):
         return "'methods' is not an object of methods"
+    families = reporters()
     for name, entry in methods.items():
         per_user = entry.get("per_user", {})
         if not (isinstance(per_user, dict) and all(isinstance(values, dict) for values in per_user.values())):
@@ -203,7 +204,7 @@ def _shape_problem(summary: object) -> str | None:
             return f"method '{name}' holds a value that is neither a number nor null"
         if not is_number(entry.get("upload_bytes_per_round", 0.0)):
             return f"method '{name}' has an upload that is not a number"
-        problem = next(filter(None, (reporter.entry_problem(name, entry) for reporter in reporters())), None)
+        problem = next(filter(None, (reporter.entry_problem(name, entry) for reporter in families)), None)
         if problem:
             return problem
     return None

@@ -83,5 +83,3 @@ def route_layer_copy(model: nn.Module, path: str, router: InstancePolicyRouter, 
     routed = RoutedLayer(copy.deepcopy(getattr(owner, leaf)), router.gate(index)).requires_grad_(True)
     setattr(owner, leaf, routed)
     router.pairs.append((routed.base, routed.local))
-
-
