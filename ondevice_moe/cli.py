@@ -97,7 +97,8 @@ def finetune(
     """Fine-tune every method of a recipe through Flower and write the report."""
     from ondevice_moe.federation.job import Job
     from ondevice_moe.recipe import load_recipe
-    from ondevice_moe.runner import run_dir_of, run_recipe
+    from ondevice_moe.run_folder import RunFolder
+    from ondevice_moe.runner import run_recipe
 
     overrides = [*set_, f"model.device={device}"] if device else set_
     _trust(trust_plugins)
@@ -108,7 +109,7 @@ def finetune(
         if stop:
             from ondevice_moe.federation.submit import stop_run
 
-            run = stop_run(run_dir_of(loaded, output), federation)
+            run = stop_run(RunFolder(loaded, output).path, federation)
             console.print(f"stopped Flower run {run} on SuperLink '{escape(federation)}': run the same command "
                           "without --stop to continue it from its last completed round")
             return

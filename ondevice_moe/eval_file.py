@@ -52,8 +52,9 @@ from ondevice_moe.likelihood import score_blocks
 from ondevice_moe.metrics import lower_is_better, task_score
 from ondevice_moe.models.gguf_cache import file_sha256
 from ondevice_moe.recipe import Recipe
+from ondevice_moe.run_folder import RunFolder
 from ondevice_moe.run_model import trained_model
-from ondevice_moe.runner import finished_jobs, still_training
+from ondevice_moe.runner import finished_jobs
 from ondevice_moe.training import predict
 
 EVAL_FILE = "eval.json"
@@ -122,7 +123,7 @@ def score_file(run_dir: Path, data: Path, out: Path | None = None, device: str |
         out.write_text(json.dumps(record, indent=2), encoding="utf-8")
     except OSError as error:
         raise UserError(f"cannot write {out} ({error.strerror or error})", "choose another --out") from None
-    return FileScores(metric, size, scores, out, still_training(run_dir, recipe))
+    return FileScores(metric, size, scores, out, RunFolder(recipe, run_dir).still_training())
 
 
 MAX_DATA_BYTES = 256 * 2**20  # --data is read and tokenized whole: a larger file is a mistake on one machine

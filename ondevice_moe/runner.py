@@ -5,7 +5,8 @@ A run folder holds ``recipe.yaml``, ``metrics.jsonl``, ``summary.json``,
 the same folder resumes it: a method counts as finished only once its ``done``
 record is logged (all rounds run and every checkpoint written); the records of
 a method cut short are discarded and the method runs again from round 1.
-The folder itself, and the report written from its log, are :mod:`ondevice_moe.run_folder`'s.
+The folder itself, its lock, and the report written from its log, are
+:class:`ondevice_moe.run_folder.RunFolder`'s.
 """
 
 from __future__ import annotations
@@ -15,29 +16,19 @@ import logging
 import os
 import sys
 import warnings
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ondevice_moe import stop_request, strict_yaml
+from ondevice_moe import stop_request
 from ondevice_moe.errors import UserError, failure_line
 from ondevice_moe.federation.job import JOB_ENV, Job
 from ondevice_moe.federation.node import folder_node
-from ondevice_moe.folder_lock import FolderBusy, folder_lock, live_holder
 from ondevice_moe.methods.registry import reporters
-from ondevice_moe.overrides import apply_override
 from ondevice_moe.plan import UserCounts, data_counts
-from ondevice_moe.recipe import Recipe, validate_recipe
-from ondevice_moe.report import CorruptLog, MetricsLog, summarize
-from ondevice_moe.run_folder import (
-    RunResult,
-    eval_split,
-    finish_report,
-    kept_methods,
-    prepare_run_dir,
-    run_dir_of,
-)
+from ondevice_moe.recipe import Recipe
+from ondevice_moe.report import MetricsLog, summarize
+from ondevice_moe.run_folder import RunFolder, RunResult, eval_split
 from ondevice_moe.stop_request import stopping_on_signals
 
 
@@ -69,33 +60,33 @@ def run_recipe(
     The folder is written only once the inputs check out: input that fails its checks leaves no
     folder behind. ``overwrite`` replaces the run already in the folder (another recipe's, or this
     one's to start over); without it a run of this recipe resumes and one of another is refused."""
-    run_dir = run_dir_of(recipe, output)
     if federation is not None:
         from ondevice_moe.federation.job import with_deployment_defaults
 
-        return _run_on_devices(with_deployment_defaults(recipe), run_dir, on_method, on_round, federation,
-                               overwrite, bound)
-    kept = kept_methods(recipe, run_dir, overwrite)
-    if any(recipe.method_name(i) not in kept for i in range(len(recipe.methods))):
+        recipe = with_deployment_defaults(recipe)
+        return _run_on_devices(RunFolder(recipe, output), on_method, on_round, federation, overwrite, bound)
+    folder = RunFolder(recipe, output)
+    kept = folder.kept(overwrite)
+    if any(name not in kept for name in folder.method_names()):
         check_inputs(recipe)  # a finished run's rerun writes its report without loading anything
-    with run_lock(run_dir):
-        prepare_run_dir(recipe, run_dir, overwrite)
-        return _run_methods(recipe, run_dir, on_method, on_round)
+    with folder.held():
+        folder.prepare(overwrite)
+        return _run_methods(folder, on_method, on_round)
 
 
-def _run_on_devices(recipe: Recipe, run_dir: Path, on_method: Callable[[str, int, int], None] | None,
+def _run_on_devices(folder: RunFolder, on_method: Callable[[str, int, int], None] | None,
                     on_round: Callable[[int, int, str], None] | None, federation: str, overwrite: bool,
                     bound: dict[int, str] | None) -> RunResult:
-    """The recipe as one Flower run on the SuperLink ``federation``; ``run_dir`` receives the server's
+    """The recipe as one Flower run on the SuperLink ``federation``; the folder receives the server's
     report and records. A failed or stopped run is a :class:`UserError` after its files arrived."""
     from ondevice_moe.federation.device_paths import refuse_device_paths
     from ondevice_moe.federation.submit import submit_run
 
-    refuse_device_paths(recipe)  # before anything is sent
-    kept_methods(recipe, run_dir, overwrite)  # a folder of another run is refused here already
-    with run_lock(run_dir):
-        outcome = submit_run(recipe, run_dir, federation, on_method, on_round, overwrite, bound)
-    report = run_dir / "report.md"
+    refuse_device_paths(folder.recipe)  # before anything is sent
+    folder.kept(overwrite)  # a folder of another run is refused here already
+    with folder.held():
+        outcome = submit_run(folder.recipe, folder.path, federation, on_method, on_round, overwrite, bound)
+    report = folder.path / "report.md"
     if outcome["status"] == "stopped":
         raise UserError(f"the run was stopped on the SuperLink '{federation}'", "run the same command again to "
                         "continue it from its last completed round")
@@ -103,43 +94,18 @@ def _run_on_devices(recipe: Recipe, run_dir: Path, on_method: Callable[[str, int
         raise UserError(outcome.get("message") or "the run failed on the server", "fix the cause and run the same "
                         f"command again: finished methods and completed rounds are kept (report: {report})")
     try:
-        summary = json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))
+        summary = json.loads((folder.path / "summary.json").read_text(encoding="utf-8"))
     except (OSError, ValueError) as error:
         raise UserError(f"the run finished, but its summary did not arrive whole ({error})",
                         "run the same command again to fetch the run's files") from None
-    return RunResult(run_dir, summary, report)
+    return RunResult(folder.path, summary, report)
 
 
-LOCK = ".lock"
-
-
-@contextmanager
-def run_lock(run_dir: Path) -> Iterator[None]:
-    """Hold the run folder for this process (:func:`~ondevice_moe.folder_lock.folder_lock` on ``.lock``)
-    while it runs: a second ``finetune`` into the same folder is refused while the first lives; once its
-    holder has ended, however it ended, the folder is free. A new folder is created."""
-    if run_dir.exists() and not run_dir.is_dir():
-        raise UserError(f"the run folder {run_dir} is a file", "choose another --output folder")
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        with folder_lock(run_dir / LOCK, {"pid": os.getpid()}):
-            yield
-    except FolderBusy as busy:
-        raise UserError(f"another ondevice-moe run (pid {busy.holder.get('pid', '?')}) is writing to {run_dir}",
-                        "wait for it to finish, or choose another --output folder") from None
-    except OSError as error:
-        raise UserError(f"cannot use the run folder {run_dir} ({error.strerror or error})",
-                        "choose another --output folder") from None
-
-
-def _run_methods(recipe: Recipe, run_dir: Path, on_method: Callable[[str, int, int], None] | None,
+def _run_methods(folder: RunFolder, on_method: Callable[[str, int, int], None] | None,
                  on_round: Callable[[int, int, str], None] | None) -> RunResult:
-    log = MetricsLog(run_dir / "metrics.jsonl")
-    finished = log.finished()
-    pending = [Job(recipe, index, run_dir) for index in range(len(recipe.methods))
-               if recipe.method_name(index) not in finished]  # finished in an earlier, interrupted invocation
-    for job in pending:
-        log.discard(job.method.name)  # a method cut short runs again from round 1
+    recipe = folder.recipe
+    pending = [Job(recipe, index, folder.path) for index in folder.restart_unfinished()]
+    names = [job.method.name for job in pending]
 
     def announce(job: Job) -> None:
         if on_method is not None:
@@ -148,14 +114,13 @@ def _run_methods(recipe: Recipe, run_dir: Path, on_method: Callable[[str, int, i
     with stopping_on_signals(_say):
         _simulate_all(pending, announce, on_round)
         if stop_request.requested():
-            result = finish_report(recipe, run_dir)
+            result = folder.report()
             raise stop_request.Interrupted(
-                f"stopped on request {_where_stopped(log, pending)}", "run the same command again to resume: "
+                f"stopped on request {folder.where_stopped(names)}", "run the same command again to resume: "
                 "finished methods are kept, an unfinished one starts again from round 1 "
                 f"(results so far: {result.report})")
-    failures = [f"method '{job.method.name}' did not finish: {_cause(log, job)}"
-                for job in pending if job.method.name not in log.finished()]  # the other methods went on
-    result = finish_report(recipe, run_dir)
+    failures = folder.failures(names)  # the other methods went on
+    result = folder.report()
     if failures:
         raise UserError("; ".join(failures), "fix the cause and run the same command again: finished methods are "
                         f"kept (their results are in {result.report})")
@@ -164,22 +129,6 @@ def _run_methods(recipe: Recipe, run_dir: Path, on_method: Callable[[str, int, i
 
 def _say(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
-
-
-def _where_stopped(log: MetricsLog, pending: list[Job]) -> str:
-    """Which method a stop cut short, and after which of its rounds."""
-    records = log.read()
-    finished = log.finished()
-    for job in pending:
-        if job.method.name not in finished:
-            rounds = [r["round"] for r in records if r.get("method") == job.method.name and r["kind"] == "round"]
-            return f"during '{job.method.name}' after round {max(rounds, default=0)}"
-    return "after the last method finished"
-
-
-def _cause(log: MetricsLog, job: Job) -> str:
-    errors = [r["message"] for r in log.read() if r.get("method") == job.method.name and r["kind"] == "error"]
-    return errors[-1] if errors else "see the log above"
 
 
 SUITES = {"lm": True, "glue": False}  # suite → is it for language-modelling runs
@@ -213,7 +162,8 @@ def evaluate_run(run_dir: Path, suite: str | None = None, device: str | None = N
         kind = "language-modelling" if recipe.is_language_modelling else "classification"
         right = "lm" if recipe.is_language_modelling else "glue"
         raise UserError(f"suite '{suite}' does not fit this {kind} run", f"use --suite {right}")
-    logged = MetricsLog(Path(run_dir) / "metrics.jsonl").read()
+    folder = RunFolder(recipe, run_dir)
+    logged = folder.log.read()
     records = []
     for job in jobs:
         trained_to = last_round(logged, job.method.name)
@@ -230,17 +180,8 @@ def evaluate_run(run_dir: Path, suite: str | None = None, device: str | None = N
     names = [job.method.name for job in jobs]
     trained = [record for record in logged if record.get("method") in names and record["kind"] in TRAINING_FIGURES]
     summary = summarize(trained + records, names, recipe.user_names, recipe.metric, eval_split(recipe), reporters())
-    unfinished = still_training(run_dir, recipe)
+    unfinished = folder.still_training()
     return {**summary, "still_training": unfinished} if unfinished else summary
-
-
-def still_training(run_dir: Path, recipe: Recipe) -> list[str]:
-    """The methods of ``recipe`` a live ``finetune`` is still training in ``run_dir`` (none when no run
-    holds the folder): ``eval`` scores only finished methods and says which it left out."""
-    if live_holder(Path(run_dir) / LOCK) is None:
-        return []
-    finished = MetricsLog(Path(run_dir) / "metrics.jsonl").finished()
-    return [name for name in (recipe.method_name(i) for i in range(len(recipe.methods))) if name not in finished]
 
 
 def last_round(records: list[dict[str, Any]], method: str) -> int:
@@ -253,31 +194,15 @@ def finished_jobs(run_dir: Path, device: str | None = None, split: str | None = 
     """A run folder's recipe and the jobs of its finished methods (``device`` overrides
     ``model.device``, ``split`` ``data.eval_split`` or ``task.eval_split``); a folder that is not a
     run, or has nothing finished, is a :class:`UserError`."""
-    recipe_file = Path(run_dir) / "recipe.yaml"
-    if not recipe_file.is_file():
-        raise UserError(f"{run_dir} is not a run folder (no recipe.yaml)", "pass the --output folder of a finetune run")
-    raw = strict_yaml.read_mapping(recipe_file, "restore the run folder's recipe.yaml, or run finetune again")
-    if device is not None:
-        apply_override(raw, f"model.device={device}")
-    if split is not None:
-        section = "data" if raw.get("data") is not None else "task"  # a resolved recipe writes `data: null`
-        if split == "valid" and section == "task" and not (raw.get("task") or {}).get("valid_examples"):
-            raise UserError(f"--split valid scores the clients' validation split, and the run in {run_dir} holds "
-                            "none (its recipe has no task.valid_examples)", "drop --split, or use --split test")
-        apply_override(raw, f"{section}.eval_split={split}")
-    recipe = validate_recipe(raw, source=str(recipe_file))
-    try:
-        finished = MetricsLog(Path(run_dir) / "metrics.jsonl").finished()
-    except CorruptLog as error:
-        raise UserError(f"the run folder {run_dir} is damaged: {error}",
-                        "restore its metrics.jsonl, or run finetune again into a new folder") from None
-    node = folder_node(Path(run_dir))  # a real device's own folder: its model, its data only
-    jobs = [job for job in (Job(recipe, index, Path(run_dir), node) for index in range(len(recipe.methods)))
+    folder = RunFolder.read(Path(run_dir), device, split)
+    finished = folder.finished()
+    node = folder_node(folder.path)  # a real device's own folder: its model, its data only
+    jobs = [job for job in (Job(folder.recipe, index, folder.path, node) for index in range(len(folder.recipe.methods)))
             if job.method.name in finished]  # a `flwr run` folder may hold one method of the recipe
     if not jobs:
         raise UserError(f"no method of the run in {run_dir} has finished", "finish it first: run the same "
                         "`ondevice-moe finetune` command again to resume")
-    return recipe, jobs
+    return folder.recipe, jobs
 
 
 def gpus_per_client(job: Job) -> float:

@@ -16,6 +16,7 @@ from ondevice_moe.errors import UserError
 from ondevice_moe.federation.faults import flips_labels, lie
 from ondevice_moe.federation.job import Job
 from ondevice_moe.recipe import FaultSection, load_recipe, validate_recipe
+from ondevice_moe.run_folder import RunFolder
 from ondevice_moe.server_rules.aggregation import MEDIAN_BOUND, Update, bounded_counts
 
 BYZANTINE = Path(__file__).resolve().parents[1] / "recipes" / "byzantine-digits.yaml"
@@ -83,7 +84,6 @@ def test_a_lying_device_is_bounded_and_flagged_in_a_real_round(tmp_path, monkeyp
     holds, says so in the train record, and the round's global is that of the honest weighting."""
     from test_strategy import InProcessGrid
 
-    from ondevice_moe import runner
     from ondevice_moe.federation import server_app
     from ondevice_moe.federation.job import JOB_ENV
     from ondevice_moe.report import MetricsLog
@@ -92,7 +92,7 @@ def test_a_lying_device_is_bounded_and_flagged_in_a_real_round(tmp_path, monkeyp
     raw["federation"].update(rounds=1, local_epochs=1, eval_every=1,
                              faults=[{"device": d, "kind": "inflated-count"} for d in (0, 1)])
     recipe = validate_recipe(raw)
-    job = Job(recipe, 0, runner.prepare_run_dir(recipe, tmp_path / "run"))
+    job = Job(recipe, 0, RunFolder(recipe, tmp_path / "run").prepare())
     monkeypatch.setenv(JOB_ENV, str(job.to_file(tmp_path / "job.json")))
     log = MetricsLog(job.run_dir / "metrics.jsonl")
     server_app.run_federation(InProcessGrid(20), job, log)

@@ -31,6 +31,7 @@ from ondevice_moe.federation.submit import connection, write_app
 from ondevice_moe.names import folder_name
 from ondevice_moe.recipe import load_recipe, validate_recipe
 from ondevice_moe.report import MetricsLog, summarize
+from ondevice_moe.run_folder import RunFolder
 from ondevice_moe.run_model import open_user_model
 
 USERS = ("code", "docs", "tests")
@@ -114,7 +115,7 @@ class DeviceGrid(InProcessGrid):
 
 def federate(recipe, grid: DeviceGrid, root: Path) -> list[dict]:
     job = Job(recipe, 0, root / "server", submitted=True)  # as `flwr run` gives the ServerApp
-    runner.prepare_run_dir(recipe, job.run_dir)
+    RunFolder(recipe, job.run_dir).prepare()
     log = MetricsLog(job.run_dir / "metrics.jsonl")
     server_app.run_federation(grid, job, log)
     return log.read()

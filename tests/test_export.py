@@ -246,7 +246,7 @@ def test_a_tampered_export_manifest_is_one_message(tiny_run, tmp_path, change, e
 def _holding(code: str, folder: Path) -> subprocess.Popen:
     """Another process that holds ``folder`` (``code``: the ``with`` line) until killed."""
     program = ("import sys, time; from pathlib import Path\n"
-               "from ondevice_moe.folder_lock import folder_held; from ondevice_moe.runner import run_lock\n"
+               "from ondevice_moe.folder_lock import folder_held; from ondevice_moe.run_folder import run_lock\n"
                f"{code}:\n    print('held', flush=True); time.sleep(60)")
     holder = subprocess.Popen([sys.executable, "-c", program, str(folder)], stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "held"

@@ -19,7 +19,6 @@ from flwr.app import Context, Error, Message, RecordDict
 from flwr.proto.node_pb2 import NodeInfo  # pylint: disable=E0611
 from test_devices import USERS, DeviceGrid, device_recipe, private_folders
 
-from ondevice_moe import runner
 from ondevice_moe.errors import UserError
 from ondevice_moe.federation import device_snapshots, server_app
 from ondevice_moe.federation.device_paths import device_paths, refuse_device_paths
@@ -32,6 +31,7 @@ from ondevice_moe.federation.slots import SlotKeeper, fingerprint, node_fingerpr
 from ondevice_moe.federation.submit import _write_files, run_name
 from ondevice_moe.federation.supervisor import Supervisor, pause_after, why_it_exited
 from ondevice_moe.report import MetricsLog
+from ondevice_moe.run_folder import RunFolder
 
 
 class Crash(RuntimeError):
@@ -42,7 +42,7 @@ def federate(recipe, grid: DeviceGrid, server: Path, identity: RunIdentity | Non
              windowed: bool = False) -> list[dict]:
     """One Flower run of a submitted job on ``grid``'s devices (as the ServerApp runs it), into ``server``."""
     job = Job(recipe, 0, server, submitted=True)
-    runner.prepare_run_dir(recipe, job.run_dir)
+    RunFolder(recipe, job.run_dir).prepare()
     log = MetricsLog(job.run_dir / "metrics.jsonl")
     keeper = SlotKeeper(identity) if identity is not None else None
     if keeper is not None:

@@ -9,7 +9,6 @@ import pytest
 import torch
 import yaml
 
-from ondevice_moe import runner
 from ondevice_moe.errors import UserError
 from ondevice_moe.federation import device as dev
 from ondevice_moe.federation.job import Job
@@ -18,6 +17,7 @@ from ondevice_moe.methods import registry
 from ondevice_moe.methods.spec import LANGUAGE
 from ondevice_moe.models.tiny import byte_tokenizer
 from ondevice_moe.recipe import validate_recipe
+from ondevice_moe.run_folder import RunFolder
 
 RECIPES = Path(__file__).parent / "recipes"
 LANGUAGE_METHODS = sorted(name for name, spec in registry.BUILT_IN.items() if LANGUAGE in spec.tasks)
@@ -33,7 +33,7 @@ def _job(method: str, tmp_path: Path) -> Job:
     raw["fedsoft"] = {"clusters": 2, "lora_rank": 4}  # the cluster methods' centres (FedSoft, IFCA, FedEM)
     raw["floral"] = {"clusters": 2}
     recipe = validate_recipe(raw)
-    return Job(recipe, 0, runner.prepare_run_dir(recipe, tmp_path))
+    return Job(recipe, 0, RunFolder(recipe, tmp_path).prepare())
 
 
 def _speaking_model(job: Job) -> torch.nn.Module:

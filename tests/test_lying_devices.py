@@ -19,12 +19,12 @@ import torch
 import yaml
 from flwr.app import ArrayRecord, MetricRecord
 
-from ondevice_moe import runner
 from ondevice_moe.federation import server_app
 from ondevice_moe.federation.job import JOB_ENV, Job
 from ondevice_moe.federation.wire import BUFFER_KEY, INDEX_KEY, pack, unpack
 from ondevice_moe.recipe import validate_recipe
 from ondevice_moe.report import MetricsLog
+from ondevice_moe.run_folder import RunFolder
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_strategy import TINY, InProcessGrid
@@ -87,7 +87,7 @@ def lying_round(root: Path, aggregation: str, lie: str) -> tuple[float, list[int
     raw["federation"].update(rounds=1, local_iterations=1, weighting="num_examples", aggregation=aggregation)
     raw["methods"] = ["fedavg"]
     recipe = validate_recipe(raw)
-    job = Job(recipe, 0, runner.prepare_run_dir(recipe, root))
+    job = Job(recipe, 0, RunFolder(recipe, root).prepare())
     grid = LyingGrid(5, lie)
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(JOB_ENV, str(job.to_file(root / ".job.json").resolve()))

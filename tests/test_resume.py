@@ -16,6 +16,7 @@ from ondevice_moe import folder_lock, runner
 from ondevice_moe.errors import UserError
 from ondevice_moe.recipe import load_recipe
 from ondevice_moe.report import MetricsLog
+from ondevice_moe.run_folder import LOCK, RunFolder, RunResult, run_lock
 
 ROOT = Path(__file__).parent.parent
 TINY = Path(__file__).parent / "recipes" / "tiny.yaml"
@@ -104,18 +105,18 @@ def test_ctrl_c_stops_the_run_after_the_round_in_progress_and_says_how_to_resume
 def test_a_killed_runs_children_do_not_hold_its_folder(tmp_path):
     run_dir = tmp_path / "run"
     holder = subprocess.Popen([sys.executable, "-c", (  # a run holding the folder, with a child that outlives it
-        "import subprocess, time; from pathlib import Path; from ondevice_moe.runner import run_lock\n"
+        "import subprocess, time; from pathlib import Path; from ondevice_moe.run_folder import run_lock\n"
         f"with run_lock(Path({str(run_dir)!r})):\n"
         "    child = subprocess.Popen(['sleep', '60'])\n    print(child.pid, flush=True); time.sleep(60)")],
         stdout=subprocess.PIPE, text=True)
     child = int(holder.stdout.readline())
     try:
-        assert folder_lock.live_holder(run_dir / runner.LOCK) == {"pid": holder.pid}
+        assert folder_lock.live_holder(run_dir / LOCK) == {"pid": holder.pid}
         os.kill(holder.pid, signal.SIGKILL)
         holder.wait()
         assert Path(f"/proc/{child}").exists()  # the child lives on
-        assert folder_lock.live_holder(run_dir / runner.LOCK) is None  # and holds nothing
-        with runner.run_lock(run_dir):
+        assert folder_lock.live_holder(run_dir / LOCK) is None  # and holds nothing
+        with run_lock(run_dir):
             pass
     finally:
         os.kill(child, signal.SIGKILL)
@@ -123,7 +124,7 @@ def test_a_killed_runs_children_do_not_hold_its_folder(tmp_path):
 
 def test_method_without_done_record_runs_again(tmp_path, monkeypatch):
     recipe = load_recipe(TINY)
-    run_dir = runner.prepare_run_dir(recipe, tmp_path / "run")
+    run_dir = RunFolder(recipe, tmp_path / "run").prepare()
     log = MetricsLog(run_dir / "metrics.jsonl")
     for user in recipe.user_names:  # final evaluation logged, killed before the done record
         log.write({"method": "pretrained", "round": 0, "kind": "eval", "user": user, "test_ppl_in": 9.0,
@@ -139,9 +140,9 @@ def test_method_without_done_record_runs_again(tmp_path, monkeypatch):
 
 def test_line_cut_short_by_a_kill_is_repaired(tmp_path):
     recipe = load_recipe(TINY)
-    run_dir = runner.prepare_run_dir(recipe, tmp_path / "run")
+    run_dir = RunFolder(recipe, tmp_path / "run").prepare()
     (run_dir / "metrics.jsonl").write_text('{"kind": "done", "method": "pretrained", "rounds": 0}\n{"kind": "ev')
-    runner.prepare_run_dir(recipe, run_dir)
+    RunFolder(recipe, run_dir).prepare()
     assert (run_dir / "metrics.jsonl").read_text() == '{"kind": "done", "method": "pretrained", "rounds": 0}\n'
 
 
@@ -152,7 +153,7 @@ def test_unusable_run_folder_is_one_user_error(tmp_path, damage):
     if damage == "file":
         run_dir.write_text("not a folder")
     else:
-        runner.prepare_run_dir(recipe, run_dir)
+        RunFolder(recipe, run_dir).prepare()
     if damage == "garbage-log":
         (run_dir / "metrics.jsonl").write_text('{"kind": "done", "method": "x"}\n\x00garbage\n{"kind": "done"}\n')
     if damage == "binary-recipe":
@@ -161,19 +162,19 @@ def test_unusable_run_folder_is_one_user_error(tmp_path, damage):
         (run_dir / "recipe.yaml").unlink()
         (run_dir / "recipe.yaml").mkdir()
     with pytest.raises(UserError) as error:
-        runner.prepare_run_dir(recipe, run_dir)
+        RunFolder(recipe, run_dir).prepare()
     assert str(run_dir) in error.value.problem
     assert error.value.fix
 
 
 def test_a_second_run_into_a_folder_in_use_is_refused_and_a_dead_owners_lock_taken_over(tmp_path, monkeypatch):
     recipe = load_recipe(TINY)
-    run_dir = runner.prepare_run_dir(recipe, tmp_path / "run")
+    run_dir = RunFolder(recipe, tmp_path / "run").prepare()
     monkeypatch.setattr(runner, "check_inputs", lambda _: None)
     simulated = []
     monkeypatch.setattr(runner, "_simulate", lambda jobs, *_: simulated.extend(job.method.name for job in jobs))
     holder = subprocess.Popen([sys.executable, "-c", (  # a live run holding the folder
-        "import time; from pathlib import Path; from ondevice_moe.runner import run_lock\n"
+        "import time; from pathlib import Path; from ondevice_moe.run_folder import run_lock\n"
         f"with run_lock(Path({str(run_dir)!r})):\n    print('held', flush=True); time.sleep(60)")],
         stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "held"
@@ -184,44 +185,44 @@ def test_a_second_run_into_a_folder_in_use_is_refused_and_a_dead_owners_lock_tak
     while (Path(f"/proc/{holder.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
            or len(os.listdir(f"/proc/{holder.pid}/task")) > 1):  # every thread gone, the process not yet reaped
         time.sleep(0.05)
-    (run_dir / runner.LOCK).write_text(json.dumps({"pid": os.getpid()}))  # even naming a live pid holds nothing
+    (run_dir / LOCK).write_text(json.dumps({"pid": os.getpid()}))  # even naming a live pid holds nothing
     with pytest.raises(UserError, match="did not finish"):  # the stub trains nothing, but the run went ahead
         runner.run_recipe(recipe, run_dir)
     holder.wait()
-    assert simulated == ["pretrained", "fedavg", "comigs-1G1S"] and (run_dir / runner.LOCK).read_text() == ""
+    assert simulated == ["pretrained", "fedavg", "comigs-1G1S"] and (run_dir / LOCK).read_text() == ""
 
 
 def test_a_folder_where_nothing_ran_takes_the_corrected_recipe(tmp_path):
     recipe = load_recipe(TINY)
-    run_dir = runner.prepare_run_dir(recipe, tmp_path / "run")  # then its inputs failed: nothing ran
+    run_dir = RunFolder(recipe, tmp_path / "run").prepare()  # then its inputs failed: nothing ran
     corrected = recipe.model_copy(update={"seed": recipe.seed + 1})
-    assert runner.prepare_run_dir(corrected, run_dir) == run_dir
+    assert RunFolder(corrected, run_dir).prepare() == run_dir
     MetricsLog(run_dir / "metrics.jsonl").write({"method": "pretrained", "kind": "done", "rounds": 0})
     with pytest.raises(UserError, match="different recipe"):  # once something ran, the folder is that run's
-        runner.prepare_run_dir(recipe, run_dir)
+        RunFolder(recipe, run_dir).prepare()
 
 
 def test_a_run_folder_of_an_earlier_version_resumes_when_only_keys_added_since_differ(tmp_path):
     """A run started before a key existed wrote no such key: with the key at its default it is the same
     run, and resumes; a value that differs is another recipe still, and so is a file that is no recipe."""
     recipe = load_recipe(TINY)
-    run_dir = runner.prepare_run_dir(recipe, tmp_path / "run")
+    run_dir = RunFolder(recipe, tmp_path / "run").prepare()
     MetricsLog(run_dir / "metrics.jsonl").write({"method": "pretrained", "kind": "done", "rounds": 0})
     earlier = yaml.safe_load((run_dir / "recipe.yaml").read_text())
     del earlier["logging"], earlier["privacy"]["delta"]  # keys of issue 35, at their defaults
     (run_dir / "recipe.yaml").write_text(yaml.safe_dump(earlier, sort_keys=False))
-    assert runner.kept_methods(recipe, run_dir) == {"pretrained"}
+    assert RunFolder(recipe, run_dir).kept() == {"pretrained"}
     with pytest.raises(UserError, match="different recipe"):
-        runner.kept_methods(recipe.model_copy(update={"seed": recipe.seed + 1}), run_dir)
+        RunFolder(recipe.model_copy(update={"seed": recipe.seed + 1}), run_dir).kept()
     for text in ("- not\n- a recipe\n", "name: [unclosed\n", "name: x\nnot_a_key: 1\n"):
         (run_dir / "recipe.yaml").write_text(text)
         with pytest.raises(UserError, match="different recipe"):
-            runner.kept_methods(recipe, run_dir)
+            RunFolder(recipe, run_dir).kept()
 
 
 def test_rerunning_a_finished_run_loads_no_model_or_data(tmp_path, monkeypatch):
     recipe = load_recipe(TINY)
-    run_dir = runner.prepare_run_dir(recipe, tmp_path / "run")
+    run_dir = RunFolder(recipe, tmp_path / "run").prepare()
     log = MetricsLog(run_dir / "metrics.jsonl")
     for index in range(len(recipe.methods)):
         for user in recipe.user_names:
@@ -240,7 +241,7 @@ def test_rerunning_a_finished_run_loads_no_model_or_data(tmp_path, monkeypatch):
 def test_a_simulation_that_ends_early_gives_its_method_an_error_and_the_unstarted_ones_a_new_simulation(
         tmp_path, monkeypatch):
     recipe = load_recipe(TINY)
-    run_dir = runner.prepare_run_dir(recipe, tmp_path / "run")
+    run_dir = RunFolder(recipe, tmp_path / "run").prepare()
     log = MetricsLog(run_dir / "metrics.jsonl")
     calls = []
 
@@ -255,7 +256,7 @@ def test_a_simulation_that_ends_early_gives_its_method_an_error_and_the_unstarte
 
     monkeypatch.setattr(runner, "check_inputs", lambda _: None)
     monkeypatch.setattr(runner, "_simulate", simulate)
-    monkeypatch.setattr(runner, "finish_report", lambda recipe, run_dir: runner.RunResult(run_dir, {}, run_dir))
+    monkeypatch.setattr(RunFolder, "report", lambda folder: RunResult(folder.path, {}, folder.path))
     with pytest.raises(UserError, match="method 'fedavg' did not finish: RuntimeError: the Ray cluster went away"):
         runner.run_recipe(recipe, run_dir)
     assert calls == [["pretrained", "fedavg", "comigs-1G1S"], ["comigs-1G1S"]]
@@ -264,7 +265,7 @@ def test_a_simulation_that_ends_early_gives_its_method_an_error_and_the_unstarte
 
 def test_a_simulation_that_cannot_start_fails_every_method_once(tmp_path, monkeypatch):
     recipe = load_recipe(TINY)
-    run_dir = runner.prepare_run_dir(recipe, tmp_path / "run")
+    run_dir = RunFolder(recipe, tmp_path / "run").prepare()
     calls = []
 
     def no_ray(jobs, *_):

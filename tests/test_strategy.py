@@ -16,13 +16,13 @@ from flwr.app import Context, Error, Message, RecordDict
 from flwr.serverapp import Grid
 from flwr.supercore.task_identity import TaskIdentity
 
-from ondevice_moe import runner
 from ondevice_moe.federation import client_app, server_app
 from ondevice_moe.federation.handshake import FederationFailure, connect
 from ondevice_moe.federation.job import JOB_ENV, Job
 from ondevice_moe.federation.strategy import sample_devices
 from ondevice_moe.recipe import validate_recipe
 from ondevice_moe.report import MetricsLog
+from ondevice_moe.run_folder import RunFolder
 from ondevice_moe.server_rules.aggregation import Update, check_update
 
 TINY = Path(__file__).parent / "recipes" / "tiny.yaml"
@@ -80,7 +80,7 @@ def four_user_recipe(**federation):
 
 def federate(recipe, run_dir: Path, monkeypatch) -> list[dict]:
     """Run the recipe's only method through the strategy; returns metrics.jsonl records."""
-    job = Job(recipe, 0, runner.prepare_run_dir(recipe, run_dir))
+    job = Job(recipe, 0, RunFolder(recipe, run_dir).prepare())
     monkeypatch.setenv(JOB_ENV, str(job.to_file(run_dir / ".job.json").resolve()))
     server_app.run_federation(InProcessGrid(len(recipe.user_names)), job, MetricsLog(run_dir / "metrics.jsonl"))
     return MetricsLog(run_dir / "metrics.jsonl").read()
@@ -102,7 +102,7 @@ def test_crashing_and_nan_devices_are_dropped_and_reported(tmp_path, monkeypatch
     comm = [r for r in records if r["kind"] == "comm"]
     assert [r["devices"] for r in comm] == [2, 2] and [r["dropped"] for r in comm] == [2, 2]
     assert records[-1]["kind"] == "done"
-    result = runner.finish_report(recipe, tmp_path)
+    result = RunFolder(recipe, tmp_path).report()
     fedavg = json.loads((tmp_path / "summary.json").read_text())["methods"]["fedavg"]
     assert fedavg["dropped"] == {"news": 2, "more-code": 2}
     assert set(fedavg["per_user"]) == set(recipe.user_names)  # dropped devices are still evaluated
@@ -171,7 +171,7 @@ def test_one_simulation_runs_its_methods_in_turn_and_a_failing_one_does_not_stop
     raw["methods"] = ["fedavg", {"name": "comigs", "variant": "1G1S"}]
     raw["federation"].update({"local_iterations": 1, "rounds": 1})
     recipe = validate_recipe(raw)
-    run_dir = runner.prepare_run_dir(recipe, tmp_path / "run")
+    run_dir = RunFolder(recipe, tmp_path / "run").prepare()
     jobs = [Job(recipe, index, run_dir) for index in range(2)]
     monkeypatch.setenv(JOB_ENV, str(jobs[0].to_file(run_dir / ".jobs.json", [1, 0]).resolve()))
     grid = InProcessGrid(len(recipe.user_names))

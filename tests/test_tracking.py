@@ -23,7 +23,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from ondevice_moe.errors import UserError
 from ondevice_moe.recipe import validate_recipe
 from ondevice_moe.report import MetricsLog
-from ondevice_moe.run_folder import prepare_run_dir
+from ondevice_moe.run_folder import RunFolder
 from ondevice_moe.tracking import LoggingSection, tracked_log
 from ondevice_moe.tracking.progress import ProgressLines
 from ondevice_moe.tracking.scalars import Scalar, scalars
@@ -216,7 +216,7 @@ def test_overwrite_removes_what_the_trackers_wrote_into_the_run_folder(tracked_r
     moved = shutil.copytree(tracked_run[0], tmp_path / "moved")
     written = ["tensorboard", "mlflow.db", "mlartifacts", "mlflow_runs.json"]
     assert all((moved / name).exists() for name in written)
-    prepare_run_dir(validate_recipe(yaml.safe_load((moved / "recipe.yaml").read_text())), moved, overwrite=True)
+    RunFolder(validate_recipe(yaml.safe_load((moved / "recipe.yaml").read_text())), moved).prepare(overwrite=True)
     assert not [name for name in written if (moved / name).exists()]
 
 

@@ -9,7 +9,6 @@ import pytest
 import yaml
 from test_strategy import InProcessGrid
 
-from ondevice_moe import runner
 from ondevice_moe.federation import server_app
 from ondevice_moe.federation.job import JOB_ENV, Job
 from ondevice_moe.methods import registry
@@ -17,6 +16,7 @@ from ondevice_moe.methods.spec import CLASSIFICATION, LANGUAGE, SMALL
 from ondevice_moe.plan import device_plan
 from ondevice_moe.recipe import validate_recipe
 from ondevice_moe.report import MetricsLog
+from ondevice_moe.run_folder import RunFolder
 
 RECIPES = Path(__file__).parent / "recipes"
 SMALLEST_TASK = {SMALL: "tiny-digits.yaml", LANGUAGE: "tiny.yaml", CLASSIFICATION: "tiny-classification.yaml"}
@@ -38,7 +38,7 @@ def _recipe(method: str):
 @pytest.mark.parametrize("method", sorted(registry.BUILT_IN))
 def test_each_built_in_methods_upload_is_what_its_dry_run_says(method, tmp_path, monkeypatch):
     recipe = _recipe(method)
-    job = Job(recipe, 0, runner.prepare_run_dir(recipe, tmp_path))
+    job = Job(recipe, 0, RunFolder(recipe, tmp_path).prepare())
     planned = [device_plan(job, device).uploaded_bytes for device in range(len(job.method.layouts))]
     monkeypatch.setenv(JOB_ENV, str(job.to_file(tmp_path / ".job.json").resolve()))
     server_app.run_federation(InProcessGrid(len(job.method.layouts)), job, MetricsLog(tmp_path / "metrics.jsonl"))

@@ -41,7 +41,7 @@ from ondevice_moe.federation.slots import SlotKeeper
 from ondevice_moe.federation.strategy import SlotStrategy
 from ondevice_moe.federation.window import IN_FLIGHT_BYTES, WindowedGrid, simulation_window
 from ondevice_moe.report import MetricsLog
-from ondevice_moe.run_folder import finish_report, prepare_run_dir
+from ondevice_moe.run_folder import RunFolder
 from ondevice_moe.stop_request import Stopped
 from ondevice_moe.tracking import tracked_log
 
@@ -81,18 +81,18 @@ def run_submitted(grid: Grid, context: Context, jobs: list[Job]) -> None:
     machine, which this ServerApp holds while it lives; the outcome, the progress and the folder's
     files go to the submitter through the log (:class:`~ondevice_moe.federation.log_channel.Channel`)."""
     channel = Channel()
-    recipe, run_dir = jobs[0].recipe, jobs[0].run_dir
+    folder = RunFolder(jobs[0].recipe, jobs[0].run_dir)
     config = context.run_config
     try:
-        refuse_device_paths(recipe)
-        with server_lock(run_dir, context.run_id):
-            add_exit_handler(lambda: _stopped(channel, recipe, run_dir), run_before_force_exit=True)
-            prepare_run_dir(recipe, run_dir, overwrite=bool(config.get("overwrite", False)))
-            identity = RunIdentity.open(run_dir, {int(k): str(v) for k, v in
-                                                  json.loads(str(config.get("bind") or "{}")).items()})
-            failures = _run_methods(grid, jobs, identity, channel)
-            finish_report(recipe, run_dir)
-            channel.files(run_dir)
+        refuse_device_paths(folder.recipe)
+        with server_lock(folder.path, context.run_id):
+            add_exit_handler(lambda: _stopped(channel, folder), run_before_force_exit=True)
+            folder.prepare(overwrite=bool(config.get("overwrite", False)))
+            identity = RunIdentity.open(folder.path, {int(k): str(v) for k, v in
+                                                      json.loads(str(config.get("bind") or "{}")).items()})
+            failures = _run_methods(grid, folder, jobs, identity, channel)
+            folder.report()
+            channel.files(folder.path)
             channel.outcome("failed" if failures else "finished", "; ".join(failures))
     except RunBusy as busy:
         channel.outcome("busy", str(busy), flower_run=busy.flower_run)
@@ -100,9 +100,10 @@ def run_submitted(grid: Grid, context: Context, jobs: list[Job]) -> None:
         channel.outcome("failed", str(error))
 
 
-def _run_methods(grid: Grid, jobs: list[Job], identity: RunIdentity, channel: Channel) -> list[str]:
+def _run_methods(grid: Grid, folder: RunFolder, jobs: list[Job], identity: RunIdentity,
+                 channel: Channel) -> list[str]:
     """Run the jobs' unfinished methods on the devices, connected once; returns the failures."""
-    finished = MetricsLog(jobs[0].run_dir / "metrics.jsonl").finished()
+    finished = folder.finished()
     pending = [job for job in jobs if job.method.name not in finished]
     keeper = SlotKeeper(identity)
     keeper.see(grid)
@@ -123,16 +124,16 @@ def _run_methods(grid: Grid, jobs: list[Job], identity: RunIdentity, channel: Ch
     return failures
 
 
-def _stopped(channel: Channel, recipe: object, run_dir: object) -> None:
+def _stopped(channel: Channel, folder: RunFolder) -> None:
     """On a stop (``flwr stop``, or ``finetune --federation NAME --stop``), before Flower closes the log:
     the report of what finished, the folder's files and a ``stopped`` outcome (nothing, after the
     run's own outcome)."""
     if channel.closed:
         return
     try:
-        finish_report(recipe, run_dir)
+        folder.report()
     finally:
-        channel.files(run_dir)
+        channel.files(folder.path)
         channel.outcome("stopped", "the run was stopped; run the same command again to continue it from its last "
                                    "completed round")
 
