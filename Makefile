@@ -30,9 +30,9 @@ demo: setup
 
 # Two workers, a test file each at a time: most of a test's wall time is Ray, Flower and
 # SuperNode processes starting and waiting, which the other worker fills; the longest files go first
-# (tests/conftest.py: LONGEST_FILES), so both workers end together (17 min 35 s on 2 idle cores).
+# (tests/conftest.py: LONGEST_FILES), so both workers end together (about 19 min on 2 idle cores); the 40 slowest tests are listed at the end.
 test: setup
-	$(BIN)/pytest -q -m "" -n 2 --dist loadfile --no-loadscope-reorder tests
+	$(BIN)/pytest -q -m "" -n 2 --dist loadfile --no-loadscope-reorder --durations=40 tests
 
 test-fast: setup
 	$(BIN)/pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests

@@ -16,6 +16,9 @@ With the threshold fixed, large tensors go back to the system when freed and
 the peak is the program's, stable to a few MiB between runs.
 ``--threads N`` pins torch's CPU threads: on a machine shared with other
 jobs, oversubscribed threads penalise the side with more (small) operations.
+``--compile`` adds both sides again under ``torch.compile`` (each on its own
+copy of the base), their first step (which compiles) timed apart, and prints
+the compiled step times and ratios beside the eager ones.
 """
 
 from __future__ import annotations
@@ -46,10 +49,12 @@ CHILD_ENVIRONMENT = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(2**20)}
 
 @dataclass
 class Configuration:
-    """One side of a comparison: its training step and its number of adapter (expert) parameters."""
+    """One side of a comparison: its training step, its number of adapter (expert) parameters and the
+    module its step calls (what ``--compile`` hands to ``torch.compile``)."""
 
     step: Step
     adapter_params: int
+    model: nn.Module
 
 
 def parser(description: str, default_model: str = "smollm2-135m") -> argparse.ArgumentParser:
@@ -62,6 +67,8 @@ def parser(description: str, default_model: str = "smollm2-135m") -> argparse.Ar
     options.add_argument("--context", type=int, default=128)
     options.add_argument("--steps", type=int, default=5, help="timed steps per configuration, after one warm-up")
     options.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    options.add_argument("--compile", action="store_true",
+                         help="also time both sides under torch.compile (each on its own copy of the base)")
     options.add_argument("--measure-memory", metavar="KIND", help=argparse.SUPPRESS)
     return options
 
@@ -82,7 +89,8 @@ def load(args: argparse.Namespace):
 
 def trainer_configuration(trainer: DeviceTrainer, batch: dict[str, torch.Tensor]) -> Configuration:
     """A device of this harness: one expert step of its local procedure."""
-    return Configuration(lambda: trainer.expert_step(batch), sum(p.numel() for p in trainer.expert_parameters()))
+    return Configuration(lambda: trainer.expert_step(batch), sum(p.numel() for p in trainer.expert_parameters()),
+                         trainer.model)
 
 
 def peft_lora_configuration(model: nn.Module, targets: Sequence[str], batch: dict[str, torch.Tensor], *,
@@ -107,7 +115,7 @@ def peft_lora_configuration(model: nn.Module, targets: Sequence[str], batch: dic
         torch.nn.utils.clip_grad_norm_(params, grad_clip)
         optimizer.step()
 
-    return Configuration(step, sum(p.numel() for p in params))
+    return Configuration(step, sum(p.numel() for p in params), peft_model)
 
 
 def interleaved_step_times(configurations: dict[str, Configuration], steps: int, device: torch.device
@@ -200,6 +208,37 @@ def print_comparison(peer: str, ours: str, times: dict[str, float], memory: dict
 
 
 Build = Callable[[str, nn.Module, dict[str, torch.Tensor]], Configuration]
+COMPILED = " compiled"
+
+
+def compiled_sides(configurations: dict[str, Configuration], build_on_fresh_model: Callable[[str], Configuration],
+                   kinds: Sequence[str], device: torch.device) -> dict[str, float]:
+    """Add each of ``kinds`` again, built on a freshly loaded base and its model under ``torch.compile``
+    (``nn.Module.compile``); returns each one's first step, which compiles forward and backward, in seconds."""
+    compile_s = {}
+    for kind in kinds:
+        configuration = build_on_fresh_model(kind)
+        configuration.model.compile()
+        start = _clock(device)
+        configuration.step()
+        compile_s[kind + COMPILED] = _clock(device) - start
+        configurations[kind + COMPILED] = configuration
+    return compile_s
+
+
+def print_compiled(peer: str, ours: str, times: dict[str, float], compile_s: dict[str, float]) -> dict[str, float]:
+    """Print the compiled sides' step times beside the eager ones; return their ratios."""
+    ours_compiled, peer_compiled = ours + COMPILED, peer + COMPILED
+    ratios = {"compiled_step_time_ratio": times[ours_compiled] / times[peer_compiled],
+              "compiled_vs_eager_peer_ratio": times[ours_compiled] / times[peer],
+              "compile_speedup": times[ours] / times[ours_compiled]}
+    print(f"{'torch.compile':28}{peer_compiled:>22}{ours_compiled:>22}{'ratio':>8}")
+    print(f"{'step time (s)':28}{times[peer_compiled]:22.3f}{times[ours_compiled]:22.3f}"
+          f"{ratios['compiled_step_time_ratio']:8.2f}")
+    print(f"{'first step, compiling (s)':28}{compile_s[peer_compiled]:22.1f}{compile_s[ours_compiled]:22.1f}")
+    print(f"{ours_compiled} ÷ eager {peer}: {ratios['compiled_vs_eager_peer_ratio']:.2f}; "
+          f"{ours} eager ÷ compiled: {ratios['compile_speedup']:.2f}")
+    return ratios
 
 
 def compare(description: str, script: str, build: Build, peer: str, ours: str, argv: Sequence[str] | None,
@@ -224,11 +263,16 @@ def compare(description: str, script: str, build: Build, peer: str, ours: str, a
     extra = on_base(loaded.model) if on_base else {}
     configurations = {ours: build(ours, loaded.model, batch)}
     configurations[peer] = build(peer, loaded.model, batch)  # last: PEFT changes the base in place
+    compile_s = compiled_sides(configurations, build_on_fresh_model, (ours, peer), device) if args.compile else {}
     times = interleaved_step_times(configurations, args.steps, device)
-    params = {name: c.adapter_params for name, c in configurations.items()}
+    params = {name: c.adapter_params for name, c in configurations.items() if name in (peer, ours)}
     ratios = print_comparison(peer, ours, times, memory, params)
+    if compile_s:
+        ratios.update(print_compiled(peer, ours, times, compile_s))
     figures = {"model": args.model, "dtype": args.dtype, "device": device.type, "batch": args.batch,
                "context": args.context, "steps": args.steps, "threads": torch.get_num_threads(),
                "step_s": times, "memory_mib": memory, "adapter_params": params, **ratios, **extra}
+    if compile_s:
+        figures["compile_s"] = compile_s
     print(json.dumps(figures))
     return figures

@@ -508,6 +508,7 @@ class TrainingSection(_Section):
     lr_schedule: Literal["one-cycle-cosine", "cosine", "constant"] = "one-cycle-cosine"
     optimizer: Literal["adamw", "sgd"] = "adamw"
     momentum: float = Field(0.0, ge=0, lt=1)
+    compile: bool = False  # torch.compile each device's model: compiles once per process, then faster steps
 
     @field_validator("betas")
     @classmethod

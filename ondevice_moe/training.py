@@ -32,7 +32,10 @@ class TrainingConfig:
     Hermes uses Adam at 2e-4 with weight decay 1e-4 and a constant rate (§5.1).
     FLoRAL's code trains with plain SGD (``optimizer="sgd"``: no momentum) and no
     clipping (``grad_clip=None``); Flow's code (``trainers/client_flow.py``) with SGD at
-    ``momentum=0.9``, fresh each round."""
+    ``momentum=0.9``, fresh each round. ``compile`` puts the model under ``torch.compile``
+    (:meth:`torch.nn.Module.compile`, in place): the first training step and the first evaluation
+    in a process compile (tens of seconds on a CPU), and a later round's model of the same shape
+    reuses what they compiled."""
 
     lr: float = 2e-3
     router_lr: float = 2e-3
@@ -49,6 +52,7 @@ class TrainingConfig:
     lr_schedule: Literal["one-cycle-cosine", "cosine", "constant"] = "one-cycle-cosine"
     optimizer: Literal["adamw", "sgd"] = "adamw"
     momentum: float = 0.0
+    compile: bool = False
 
 
 Batch = dict[str, torch.Tensor]
@@ -113,6 +117,8 @@ class DeviceTrainer:
     last_step: StepFigures | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
+        if self.config.compile:
+            self.model.compile()
         self.trainable = [(n, p) for n, p in self.model.named_parameters()
                           if p.requires_grad and self.method.is_trainable(n)]
         self.round_aware = round_aware(self.model)  # routers with state outside the graph (routing/lifecycle.py)

@@ -26,7 +26,7 @@ def benchmarks(monkeypatch):
 
 
 def _assert_side_by_side(figures: dict, peer: str, ours: str) -> None:
-    assert set(figures["step_s"]) == set(figures["memory_mib"]) == {peer, ours}
+    assert set(figures["memory_mib"]) == {peer, ours} <= set(figures["step_s"])
     for name in (peer, ours):
         assert figures["step_s"][name] > 0
         assert figures["memory_mib"][name]["peak_mib"] > 0
@@ -34,14 +34,20 @@ def _assert_side_by_side(figures: dict, peer: str, ours: str) -> None:
         assert math.isfinite(figures[ratio]) and figures[ratio] > 0
 
 
-def test_comigs_benchmark_runs_one_step_on_tiny_llama(benchmarks, capsys):
-    figures = benchmarks["comigs"].main(["--model", "tiny-llama", *TINY_RUN])
+def test_comigs_benchmark_runs_one_step_on_tiny_llama_eager_and_compiled(benchmarks, capsys):
+    figures = benchmarks["comigs"].main(["--model", "tiny-llama", "--compile", *TINY_RUN])
     _assert_side_by_side(figures, "peft-lora", "comigs-1G1S")
     params = figures["adapter_params"]
     assert params["peft-lora"] == params["comigs-1G1S"] > 0  # same active adapter parameters
     uploads = figures["upload_bytes_per_round"]
     assert 0 < uploads["comigs-1G1S"] < uploads["fedavg"]
-    assert "step time (s)" in capsys.readouterr().out
+    compiled = {"peft-lora compiled", "comigs-1G1S compiled"}
+    assert set(figures["step_s"]) == {"peft-lora", "comigs-1G1S", *compiled} and set(figures["compile_s"]) == compiled
+    assert all(figures["compile_s"][name] > figures["step_s"][name] > 0 for name in compiled)  # the first step compiles
+    for ratio in ("compiled_step_time_ratio", "compiled_vs_eager_peer_ratio", "compile_speedup"):
+        assert math.isfinite(figures[ratio]) and figures[ratio] > 0
+    printed = capsys.readouterr().out
+    assert "step time (s)" in printed and "first step, compiling (s)" in printed
 
 
 def test_hermes_benchmark_runs_one_step_on_tiny_gpt2(benchmarks):

@@ -72,7 +72,7 @@ class Job:
             balance_weight=t.balance_weight, batch_size=self.batch_size,
             total_iterations=fed.rounds * fed.local_iterations, warmup_fraction=t.warmup_fraction,
             grad_clip=t.grad_clip, weight_decay=t.weight_decay, router_weight_decay=t.router_weight_decay,
-            betas=t.betas, lr_schedule=t.lr_schedule, optimizer=t.optimizer, momentum=t.momentum,
+            betas=t.betas, lr_schedule=t.lr_schedule, optimizer=t.optimizer, momentum=t.momentum, compile=t.compile,
         )
 
     def to_file(self, path: Path, methods: list[int] | None = None) -> Path:
