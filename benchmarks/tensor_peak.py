@@ -30,7 +30,9 @@ class LiveTensorPeak(TorchDispatchMode):
         self.live: dict[int, tuple[StorageWeakRef, int]] = {}
         with warnings.catch_warnings():  # isinstance on some modules' deprecated attributes warns
             warnings.simplefilter("ignore")
-            held = [t for t in gc.get_objects() if isinstance(t, torch.Tensor) and not t.is_meta]
+            # type(), not isinstance: a weakref.proxy (torch.compile keeps some) whose object is gone
+            # raises on isinstance; a proxy is never a tensor here.
+            held = [t for t in gc.get_objects() if issubclass(type(t), torch.Tensor) and not t.is_meta]
         for tensor in held:
             self._add(tensor)
         self.peak_bytes = self._total()
