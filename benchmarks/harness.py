@@ -267,12 +267,9 @@ def compare(description: str, script: str, build: Build, peer: str, ours: str, a
     times = interleaved_step_times(configurations, args.steps, device)
     params = {name: c.adapter_params for name, c in configurations.items() if name in (peer, ours)}
     ratios = print_comparison(peer, ours, times, memory, params)
-    if compile_s:
-        ratios.update(print_compiled(peer, ours, times, compile_s))
+    compiled = {**print_compiled(peer, ours, times, compile_s), "compile_s": compile_s} if compile_s else {}
     figures = {"model": args.model, "dtype": args.dtype, "device": device.type, "batch": args.batch,
                "context": args.context, "steps": args.steps, "threads": torch.get_num_threads(),
-               "step_s": times, "memory_mib": memory, "adapter_params": params, **ratios, **extra}
-    if compile_s:
-        figures["compile_s"] = compile_s
+               "step_s": times, "memory_mib": memory, "adapter_params": params, **ratios, **compiled, **extra}
     print(json.dumps(figures))
     return figures

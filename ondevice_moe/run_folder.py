@@ -149,10 +149,10 @@ class RunFolder:
     def restart_unfinished(self) -> list[int]:
         """The indices of the recipe's methods not finished (in an earlier, interrupted invocation, or
         never started), their records discarded: a simulated method cut short runs again from round 1."""
-        finished = self.finished()
-        unfinished = [index for index, name in enumerate(self.method_names()) if name not in finished]
+        finished, names = self.finished(), self.method_names()
+        unfinished = [index for index, name in enumerate(names) if name not in finished]
         for index in unfinished:
-            self.log.discard(self.recipe.method_name(index))
+            self.log.discard(names[index])
         return unfinished
 
     def failures(self, names: list[str]) -> list[str]:
