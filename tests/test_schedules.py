@@ -66,6 +66,22 @@ def test_cosine_to_tenth_gives_the_replaced_rate_at_every_step(total):
         assert group_rates == pytest.approx([rate * factor for rate in RATES], rel=1e-12, abs=0)
 
 
+@pytest.mark.parametrize(("steps", "floor"), [(1, 0.1), (7, 0.1), (30, 1e-4), (120, 0.1)])
+def test_the_cosine_decay_gives_transformers_wsd_factors_bit_for_bit(steps, floor):
+    """``_cosine_decay`` computes the decay of transformers' ``get_wsd_schedule`` itself (to spare every
+    device process the import of peft): the same rates at every step, and a state the other loads."""
+    from transformers.optimization import get_wsd_schedule
+
+    from ondevice_moe.training import _cosine_decay
+
+    ours, theirs = _optimizer(), _optimizer()
+    ours_scheduler = _cosine_decay(ours, steps=steps, floor=floor)
+    theirs_scheduler = get_wsd_schedule(theirs, num_warmup_steps=0, num_stable_steps=0, num_decay_steps=steps,
+                                        min_lr_ratio=floor)
+    assert _rates(ours, ours_scheduler, steps + 5) == _rates(theirs, theirs_scheduler, steps + 5)
+    assert ours_scheduler.state_dict() == theirs_scheduler.state_dict()
+
+
 def test_one_cycle_cosine_warms_up_then_decays_and_holds():
     optimizer = _optimizer()
     factors = [rates[0] / RATES[0] for rates in _rates(optimizer, one_cycle_cosine(optimizer, 20, 2), 25)]
