@@ -23,7 +23,7 @@ def method_recipe(folder: Path, quantization: str, method, classification: bool)
     raw = {
         "name": "quantized", "seed": 0,
         "model": {"name": str(folder), "quantization": quantization},
-        "federation": {"rounds": 1, "local_iterations": 2, "cpus_per_client": 1},
+        "federation": {"rounds": 1, "local_iterations": 2, "cpus_per_client": 2},
         "training": {"router_period": 1, "router_steps": 1},
         "methods": [method],
     }

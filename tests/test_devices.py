@@ -54,7 +54,7 @@ def device_recipe(method: object = "fedavg", sections: dict | None = None, **fed
     raw["name"] = "on-devices"
     raw["data"]["users"] = [{"name": user, "source": "device"} for user in USERS]
     raw["data"].update(train_tokens=2000, valid_tokens=500, test_tokens=500)
-    raw["federation"] = {"rounds": 2, "local_iterations": 1, "cpus_per_client": 1, **federation}
+    raw["federation"] = {"rounds": 2, "local_iterations": 1, "cpus_per_client": 2, **federation}
     raw["methods"] = [method]
     return validate_recipe(raw)
 
