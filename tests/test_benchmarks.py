@@ -13,6 +13,9 @@ from ondevice_moe.errors import UserError
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 TINY_RUN = ["--steps", "1", "--batch", "2", "--context", "8", "--device", "cpu"]
+# The recipes in recipes/ give each device one core; on 2 cores one Ray worker does a one-round run sooner
+# (a second only imports torch and transformers again).
+ONE_WORKER = "federation.cpus_per_client=2"
 
 
 @pytest.fixture
@@ -215,7 +218,8 @@ def test_small_rounds_benchmark_times_both_sides_at_two_round_counts(monkeypatch
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     import small_rounds
 
-    figures = small_rounds.main(["--rounds", "1", "2", "--set", "task.clients=4", "--output", str(tmp_path)])
+    figures = small_rounds.main(["--rounds", "1", "2", "--set", "task.clients=4", "--set", ONE_WORKER,
+                                  "--output", str(tmp_path)])
     for side in ("plain", "flower", "toolkit"):
         assert set(figures["wall_s"][side]) == {1, 2} and min(figures["wall_s"][side].values()) > 0
         fit = figures["lines"][side]
@@ -269,7 +273,7 @@ def test_byzantine_benchmark_runs_an_attack_against_a_rule_for_one_round(monkeyp
     import byzantine
 
     cells = byzantine.main(["--rounds", "1", "--fractions", "0.1", "--attacks", "inflated-count", "--rules", "mean",
-                            "--set", "federation.local_epochs=1", "--output", str(tmp_path)])
+                            "--set", "federation.local_epochs=1", "--set", ONE_WORKER, "--output", str(tmp_path)])
     honest, lying = cells["no attack"]["mean"], cells["inflated-count 10 %"]["mean"]
     assert lying["capped"] == 2 and honest["capped"] == 0  # two liars, one round: both claims bounded
     assert lying["accuracy"] == honest["accuracy"]  # a bounded claim buys no weight: the same global
