@@ -18,7 +18,10 @@ the peak is the program's, stable to a few MiB between runs.
 jobs, oversubscribed threads penalise the side with more (small) operations.
 ``--compile`` adds both sides again under ``torch.compile`` (each on its own
 copy of the base), their first step (which compiles) timed apart, and prints
-the compiled step times and ratios beside the eager ones.
+the compiled step times and ratios beside the eager ones. ``--fused`` adds our
+side again with its expert sites fused (``training.fused_experts``,
+``ondevice_moe/layout/fused.py``): its step time and peak memory beside the
+peer's and beside our unfused side's.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import torch
 from tensor_peak import peak_tensor_mib
 from torch import nn
 
+from ondevice_moe.layout.fused import fuse_experts
 from ondevice_moe.models import load_base_model
 from ondevice_moe.models.devices import DEVICE_NAMES, resolve_device
 from ondevice_moe.training import DeviceTrainer
@@ -69,6 +73,8 @@ def parser(description: str, default_model: str = "smollm2-135m") -> argparse.Ar
     options.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     options.add_argument("--compile", action="store_true",
                          help="also time both sides under torch.compile (each on its own copy of the base)")
+    options.add_argument("--fused", action="store_true",
+                         help="also time our side with its experts fused (training.fused_experts)")
     options.add_argument("--measure-memory", metavar="KIND", help=argparse.SUPPRESS)
     return options
 
@@ -209,6 +215,32 @@ def print_comparison(peer: str, ours: str, times: dict[str, float], memory: dict
 
 Build = Callable[[str, nn.Module, dict[str, torch.Tensor]], Configuration]
 COMPILED = " compiled"
+FUSED = " fused"
+
+
+def fusing(build: Build) -> Build:
+    """``build``, where a kind ``<kind> fused`` is ``<kind>`` with its expert sites fused."""
+    def build_kind(kind: str, base: nn.Module, batch: dict[str, torch.Tensor]) -> Configuration:
+        if not kind.endswith(FUSED):
+            return build(kind, base, batch)
+        configuration = build(kind.removesuffix(FUSED), base, batch)
+        fuse_experts(configuration.model)
+        return configuration
+    return build_kind
+
+
+def print_fused(peer: str, ours: str, times: dict[str, float], memory: dict[str, dict[str, float]]
+                ) -> dict[str, float]:
+    """Print the fused side beside the peer and our unfused side; return its ratios."""
+    fused = ours + FUSED
+    ratios = {"fused_step_time_ratio": times[fused] / times[peer], "fusing_speedup": times[ours] / times[fused],
+              "fused_peak_memory_ratio": memory[fused]["peak_mib"] / memory[peer]["peak_mib"]}
+    print(f"{'fused experts':28}{fused:>22}{'÷ ' + peer:>16}{'÷ unfused':>12}")
+    print(f"{'step time (s)':28}{times[fused]:22.3f}{ratios['fused_step_time_ratio']:16.2f}"
+          f"{times[fused] / times[ours]:12.2f}")
+    print(f"{'peak memory (MiB)':28}{memory[fused]['peak_mib']:22.0f}{ratios['fused_peak_memory_ratio']:16.2f}"
+          f"{memory[fused]['peak_mib'] / memory[ours]['peak_mib']:12.2f}")
+    return ratios
 
 
 def compiled_sides(configurations: dict[str, Configuration], build_on_fresh_model: Callable[[str], Configuration],
@@ -249,6 +281,7 @@ def compare(description: str, script: str, build: Build, peer: str, ours: str, a
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser(description).parse_args(argv)
     device = resolve_device(args.device)
+    build = fusing(build)
 
     def build_on_fresh_model(kind: str) -> Configuration:
         loaded = load(args)
@@ -257,19 +290,22 @@ def compare(description: str, script: str, build: Build, peer: str, ours: str, a
     if args.measure_memory:  # child process
         print(json.dumps(measure_memory(lambda: build_on_fresh_model(args.measure_memory), device)))
         return None
-    memory = memory_in_children(script, (peer, ours), argv)
+    memory = memory_in_children(script, (peer, ours, *([ours + FUSED] if args.fused else [])), argv)
     loaded = load(args)
     batch = batch_of(args, loaded.model.config.vocab_size, device)
     extra = on_base(loaded.model) if on_base else {}
     configurations = {ours: build(ours, loaded.model, batch)}
+    if args.fused:
+        configurations[ours + FUSED] = build(ours + FUSED, loaded.model, batch)
     configurations[peer] = build(peer, loaded.model, batch)  # last: PEFT changes the base in place
     compile_s = compiled_sides(configurations, build_on_fresh_model, (ours, peer), device) if args.compile else {}
     times = interleaved_step_times(configurations, args.steps, device)
     params = {name: c.adapter_params for name, c in configurations.items() if name in (peer, ours)}
     ratios = print_comparison(peer, ours, times, memory, params)
     compiled = {**print_compiled(peer, ours, times, compile_s), "compile_s": compile_s} if compile_s else {}
+    fused = print_fused(peer, ours, times, memory) if args.fused else {}
     figures = {"model": args.model, "dtype": args.dtype, "device": device.type, "batch": args.batch,
                "context": args.context, "steps": args.steps, "threads": torch.get_num_threads(),
-               "step_s": times, "memory_mib": memory, "adapter_params": params, **ratios, **compiled, **extra}
+               "step_s": times, "memory_mib": memory, "adapter_params": params, **ratios, **compiled, **fused, **extra}
     print(json.dumps(figures))
     return figures

@@ -43,11 +43,12 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ondevice_moe.experts.adapter import Adapter
+from ondevice_moe.experts.adapter import Adapter, add_adapters
+from ondevice_moe.experts.lora import scaled
 
 Expert = nn.ModuleDict | Adapter
 ExpertSet = list[Expert]
-MixedForward = Callable[[nn.Module, ExpertSet, torch.Tensor, torch.Tensor], torch.Tensor]
+MixedForward = Callable[[nn.Module, ExpertSet, torch.Tensor, torch.Tensor, bool], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -80,17 +81,20 @@ def _gated_activation(mlp: nn.Module, pre: Sequence[torch.Tensor]) -> torch.Tens
 LLAMA_MLP = MLPForm(("gate_proj", "up_proj"), "down_proj", _gated_activation)
 
 
-def gpt2_mixed_forward(mlp: nn.Module, experts: ExpertSet, weights: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+def gpt2_mixed_forward(mlp: nn.Module, experts: ExpertSet, weights: torch.Tensor, x: torch.Tensor,
+                       fused: bool = False) -> torch.Tensor:
     """GPT-2 MLP ``dropout(c_proj(act(c_fc x)))``; LoRA experts adapt ``c_fc`` and ``c_proj``.
 
-    Dropout (training only) applies once to the mixed output.
+    Dropout (training only) applies once to the mixed output. ``fused``: :func:`stacked_mixed_mlp`.
     """
-    return mixed_mlp(GPT2_MLP, mlp, experts, weights, x)
+    return (stacked_mixed_mlp if fused else mixed_mlp)(GPT2_MLP, mlp, experts, weights, x)
 
 
-def llama_mixed_forward(mlp: nn.Module, experts: ExpertSet, weights: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """LLaMA MLP ``down(act(gate x) · up x)``; LoRA experts adapt all three."""
-    return mixed_mlp(LLAMA_MLP, mlp, experts, weights, x)
+def llama_mixed_forward(mlp: nn.Module, experts: ExpertSet, weights: torch.Tensor, x: torch.Tensor,
+                        fused: bool = False) -> torch.Tensor:
+    """LLaMA MLP ``down(act(gate x) · up x)``; LoRA experts adapt all three. ``fused``:
+    :func:`stacked_mixed_mlp`."""
+    return (stacked_mixed_mlp if fused else mixed_mlp)(LLAMA_MLP, mlp, experts, weights, x)
 
 
 def mixed_mlp(form: MLPForm, mlp: nn.Module, experts: ExpertSet, weights: torch.Tensor, x: torch.Tensor
@@ -144,6 +148,63 @@ def _expert_activations(form: MLPForm, mlp: nn.Module, experts: ExpertSet, weigh
     return mixed, output_codes, base_activation
 
 
+def stacked_mixed_mlp(form: MLPForm, mlp: nn.Module, experts: ExpertSet, weights: torch.Tensor, x: torch.Tensor
+                      ) -> torch.Tensor:
+    """:func:`mixed_mlp` with the experts batched (issue 64's fused experts): the LoRA experts' ``A``s
+    of a linear layer in one product, their ``B``s in one batched product (``torch.baddbmm`` over the
+    experts), their activations mixed in one reduction, the output LoRAs' codes in one batched product
+    and their ``B``s in one ``addmm``; the adapters' bottlenecks in two products
+    (:func:`~ondevice_moe.experts.adapter.add_adapters`). A fixed number of kernels per MLP whatever
+    the number of experts, where :func:`mixed_mlp` launches a few per expert; equal to it to float
+    rounding (the sums run in another order). LoRA experts of different ranks cannot be stacked:
+    they take :func:`mixed_mlp`."""
+    loras = [j for j, expert in enumerate(experts) if not isinstance(expert, Adapter)]
+    if len({experts[j][name].rank for j in loras for name in (*form.inputs, form.output)}) > 1:
+        return mixed_mlp(form, mlp, experts, weights, x)
+    adapters = [j for j, expert in enumerate(experts) if isinstance(expert, Adapter)]
+    flat = x.reshape(-1, x.shape[-1])
+    flat_weights = weights.reshape(-1, weights.shape[-1])
+    pre = [getattr(mlp, name)(flat) for name in form.inputs]
+    base_activation = form.activation(mlp, pre) if adapters else None
+    mixed = None
+    if loras:
+        lora_weights = flat_weights[:, loras].t().unsqueeze(-1)  # (experts, tokens, 1)
+        activations = form.activation(mlp, [_stacked_residuals(p, flat, [experts[j][name] for j in loras])
+                                            for p, name in zip(pre, form.inputs, strict=True)])
+        mixed = (activations * lora_weights.to(activations.dtype)).sum(dim=0)
+    if base_activation is not None:
+        share = flat_weights[:, adapters].sum(dim=-1, keepdim=True).to(base_activation.dtype)
+        mixed = base_activation * share if mixed is None else torch.addcmul(mixed, base_activation, share)
+    out = getattr(mlp, form.output)(mixed)
+    if loras:
+        outputs = [experts[j][form.output] for j in loras]
+        downs = torch.stack([lora.lora_A for lora in outputs]).to(activations.dtype)  # (experts, r, width)
+        codes = scaled(torch.bmm(activations, downs.transpose(1, 2)), _scalings(outputs, activations))
+        codes = (codes * lora_weights.to(codes.dtype)).transpose(0, 1).reshape(flat.shape[0], -1)
+        ups = torch.cat([lora.lora_B for lora in outputs], dim=1)
+        out = torch.addmm(out, codes.to(out.dtype), ups.t().to(out.dtype))
+    if base_activation is not None:
+        base_out = getattr(mlp, form.output)(base_activation)
+        out = add_adapters(out, base_out, [(experts[j], flat_weights[:, j : j + 1]) for j in adapters])
+    out = form.finish(mlp, out)
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def _stacked_residuals(pre: torch.Tensor, flat: torch.Tensor, loras: list) -> torch.Tensor:
+    """``pre + γ_j·B_j(A_j x)`` for every LoRA ``j`` of one linear layer, shape ``(experts, tokens, width)``:
+    every ``A`` in one product, every ``B`` in one batched product added onto the shared ``pre``."""
+    rank = loras[0].rank
+    codes = nn.functional.linear(flat, torch.cat([lora.lora_A for lora in loras]).to(flat.dtype))
+    codes = scaled(codes.reshape(flat.shape[0], len(loras), rank).transpose(0, 1), _scalings(loras, codes))
+    ups = torch.stack([lora.lora_B for lora in loras]).to(pre.dtype)  # (experts, width, r)
+    return torch.baddbmm(pre.unsqueeze(0).expand(len(loras), -1, -1), codes.to(pre.dtype), ups.transpose(1, 2))
+
+
+def _scalings(loras: list, like: torch.Tensor) -> torch.Tensor:
+    """Each LoRA's scaling γ in float32, shape ``(experts, 1, 1)``, to scale a stack of their codes."""
+    return torch.tensor([lora.scaling for lora in loras], dtype=torch.float32, device=like.device)[:, None, None]
+
+
 class MixtureMLP(nn.Module):
     """A frozen MLP, its experts (keyed ``shared_0``, ``private_0``, …) and a router.
 
@@ -151,8 +212,11 @@ class MixtureMLP(nn.Module):
     or an :class:`~ondevice_moe.experts.adapter.Adapter`. After each forward
     pass ``last_balance_loss`` holds the router's balance term and
     ``last_scores`` the mean routing weight of each expert (the "expert
-    scores" of CoMiGS Fig. 4).
+    scores" of CoMiGS Fig. 4). ``fused`` batches the experts (:func:`stacked_mixed_mlp`); it is set by
+    ``training.fused_experts``.
     """
+
+    fused = False
 
     def __init__(
         self,
@@ -177,7 +241,7 @@ class MixtureMLP(nn.Module):
         routing = self.router(hidden)
         self.last_balance_loss = routing.balance_loss
         self.last_scores = routing.weights.detach().reshape(-1, routing.weights.shape[-1]).float().mean(dim=0)
-        return self._mixed_forward(self.base, list(self.experts.values()), routing.weights, hidden)
+        return self._mixed_forward(self.base, list(self.experts.values()), routing.weights, hidden, self.fused)
 
 
 def mixtures(model: nn.Module) -> list[MixtureMLP]:

@@ -509,6 +509,7 @@ class TrainingSection(_Section):
     optimizer: Literal["adamw", "sgd"] = "adamw"
     momentum: float = Field(0.0, ge=0, lt=1)
     compile: bool = False  # torch.compile each device's model: compiles once per process, then faster steps
+    fused_experts: bool = False  # each expert site computes its experts batched (ondevice_moe/layout/fused.py)
 
     @field_validator("betas")
     @classmethod

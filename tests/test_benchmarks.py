@@ -28,8 +28,8 @@ def benchmarks(monkeypatch):
     return {"comigs": comigs_client, "hermes": hermes_client, "quantization": quantization}
 
 
-def _assert_side_by_side(figures: dict, peer: str, ours: str) -> None:
-    assert set(figures["memory_mib"]) == {peer, ours} <= set(figures["step_s"])
+def _assert_side_by_side(figures: dict, peer: str, ours: str, *more: str) -> None:
+    assert set(figures["memory_mib"]) == {peer, ours, *more} <= set(figures["step_s"])
     for name in (peer, ours):
         assert figures["step_s"][name] > 0
         assert figures["memory_mib"][name]["peak_mib"] > 0
@@ -53,11 +53,14 @@ def test_comigs_benchmark_runs_one_step_on_tiny_llama_eager_and_compiled(benchma
     assert "step time (s)" in printed and "first step, compiling (s)" in printed
 
 
-def test_hermes_benchmark_runs_one_step_on_tiny_gpt2(benchmarks):
-    figures = benchmarks["hermes"].main(["--model", "tiny-gpt2", "--dtype", "bfloat16", *TINY_RUN])
-    _assert_side_by_side(figures, "peft-lora", "hermes")
+def test_hermes_benchmark_runs_one_step_on_tiny_gpt2_unfused_and_fused(benchmarks):
+    figures = benchmarks["hermes"].main(["--model", "tiny-gpt2", "--dtype", "bfloat16", "--fused", *TINY_RUN])
+    _assert_side_by_side(figures, "peft-lora", "hermes", "hermes fused")
     params = figures["adapter_params"]
     assert params["hermes"] > params["peft-lora"] > 0  # LoRA + adapter + prefix against LoRA alone
+    assert figures["step_s"]["hermes fused"] > 0 and figures["memory_mib"]["hermes fused"]["peak_mib"] > 0
+    assert figures["fused_step_time_ratio"] == pytest.approx(figures["step_s"]["hermes fused"]
+                                                            / figures["step_s"]["peft-lora"])
 
 
 def test_quantization_benchmark_runs_one_step_per_base(benchmarks, saved_tiny_models):

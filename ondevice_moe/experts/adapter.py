@@ -7,6 +7,7 @@ and ``φ`` = ReLU. ``W_up`` starts at zero, so a fresh adapter adds nothing.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -48,8 +49,10 @@ class AdapterAfter(nn.Module):
     Placed after the feed-forward sublayer (Houlsby), before the block's
     dropout / layer norm / residual. ``gates`` maps an adapter's key to the
     router's per-token weight for it, shape ``(…, 1)``; adapters without a gate
-    are always on.
+    are always on. ``fused`` adds them all from two products (:func:`add_adapters`).
     """
+
+    fused = False  # set by ``training.fused_experts``
 
     def __init__(self, base: nn.Module, adapters: dict[str, Adapter], gates: dict[str, Gate] | None = None) -> None:
         super().__init__()
@@ -64,7 +67,29 @@ class AdapterAfter(nn.Module):
 
     def forward(self, *args: torch.Tensor, **kwargs: object) -> torch.Tensor:
         base_out = self.base(*args, **kwargs)
+        gated = [(adapter, self.gates[name]() if name in self.gates else None)
+                 for name, adapter in self.adapters.items()]
+        if self.fused and len(gated) > 1:
+            return add_adapters(base_out, base_out, gated)
         out = base_out
-        for name, adapter in self.adapters.items():
-            out = adapter.add_to(out, base_out, self.gates[name]() if name in self.gates else None)
+        for adapter, gate in gated:
+            out = adapter.add_to(out, base_out, gate)
         return out
+
+
+def add_adapters(out: torch.Tensor, hidden: torch.Tensor, adapters: Sequence[tuple[Adapter, torch.Tensor | None]]
+                 ) -> torch.Tensor:
+    """``out + Σ_j w_j·adapter_j(hidden)`` from two products whatever the number of adapters: the
+    bottlenecks side by side are one adapter of width ``Σ r_j`` (ReLU acts on each unit alone), each
+    slice scaled by its gate ``w_j`` (…, 1); equal to adding them one by one, to float rounding."""
+    downs = torch.cat([adapter.down for adapter, _ in adapters], dim=0)
+    bottleneck = torch.relu(nn.functional.linear(hidden, downs.to(hidden.dtype)))
+    if any(weight is not None for _, weight in adapters):
+        gates = torch.cat([(bottleneck.new_ones(()) if weight is None else weight.to(bottleneck.dtype))
+                           .expand(*bottleneck.shape[:-1], adapter.down.shape[0]) for adapter, weight in adapters],
+                          dim=-1)
+        bottleneck = bottleneck * gates
+    ups = torch.cat([adapter.up for adapter, _ in adapters], dim=1)
+    flat = out.reshape(-1, out.shape[-1])
+    summed = torch.addmm(flat, bottleneck.reshape(-1, bottleneck.shape[-1]).to(out.dtype), ups.t().to(out.dtype))
+    return summed.reshape(out.shape)

@@ -90,6 +90,8 @@ class AdaptedLayer(nn.Module):
     """A layer plus its experts' adaptors (keyed by expert name, so parameter names carry
     the role: ``…adapters.shared_0.lora.lora_A``), each residual scaled by its gate."""
 
+    fused = False  # the LoRAs' products stacked (:func:`add_gated`); set by ``training.fused_experts``
+
     def __init__(self, base: nn.Module) -> None:
         super().__init__()
         self.base = base
@@ -105,7 +107,7 @@ class AdaptedLayer(nn.Module):
         gates = {name: self.gates[name]() for name in self.adapters}
         low_rank = [(adaptor.low_rank, gates[name]) for name, adaptor in self.adapters.items()
                     if adaptor.low_rank is not None]
-        out = add_gated(base, x, low_rank) if low_rank else base
+        out = add_gated(base, x, low_rank, self.fused) if low_rank else base
         for name, adaptor in self.adapters.items():
             residual = adaptor(x, base)
             if residual is not None:

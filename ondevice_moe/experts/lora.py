@@ -106,22 +106,49 @@ def gated(weight: torch.Tensor | None, residual: torch.Tensor) -> torch.Tensor:
     return residual if weight is None else weight.to(residual.dtype) * residual
 
 
-def add_gated(out: torch.Tensor, x: torch.Tensor, experts: Sequence[tuple[LoRA, torch.Tensor | None]]
-              ) -> torch.Tensor:
+def add_gated(out: torch.Tensor, x: torch.Tensor, experts: Sequence[tuple[LoRA, torch.Tensor | None]],
+              fused: bool = False) -> torch.Tensor:
     """``out + Σ_e w_e·γ_e·B_e(A_e x)`` for gated LoRA experts on one layer, in one matrix product.
 
     The experts' rank-space codes side by side times their ``B``s side by side
     is one LoRA of rank ``Σ r_e``: the full-size output is passed over once,
     not once per expert (FLoRAL mixes C adaptors on every layer; Hermes and
-    CoMiGS several experts per projection)."""
+    CoMiGS several experts per projection). ``fused`` computes the codes from
+    one product too, with the experts' ``A``s stacked (:func:`stacked_codes`):
+    two products per layer however many experts, equal to float rounding."""
     if len(experts) == 1:
         lora, weight = experts[0]
         return lora.add_to(out, x, weight)
-    codes = torch.cat([lora.codes(x, weight) for lora, weight in experts], dim=-1)
+    codes = stacked_codes(x, experts) if fused else torch.cat([lora.codes(x, weight) for lora, weight in experts],
+                                                               dim=-1)
     ups = torch.cat([lora.lora_B for lora, _ in experts], dim=1)
     flat = out.reshape(-1, out.shape[-1])
     summed = torch.addmm(flat, codes.reshape(-1, codes.shape[-1]).to(out.dtype), ups.t().to(out.dtype))
     return summed.reshape(out.shape)
+
+
+def scaled(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``codes · scales`` (float32 scalings, broadcast) as a Python float scaling multiplies: in float32,
+    rounded once to the codes' dtype, so a stack of experts scales as each expert alone does."""
+    if codes.dtype == torch.float32:
+        return codes * scales
+    return (codes.float() * scales).to(codes.dtype)
+
+
+def stacked_codes(x: torch.Tensor, experts: Sequence[tuple[LoRA, torch.Tensor | None]]) -> torch.Tensor:
+    """Every expert's ``w_e·γ_e·A_e x`` side by side, shape ``(…, Σ r_e)``, from one product with the
+    experts' ``A``s stacked; the scaling, then the gate, multiply each expert's slice, as
+    :meth:`LoRA.codes` does."""
+    downs = torch.cat([lora.lora_A for lora, _ in experts], dim=0)
+    codes = nn.functional.linear(x, downs.to(x.dtype))
+    scales = torch.cat([torch.full((lora.rank,), lora.scaling, device=codes.device) for lora, _ in experts])
+    codes = scaled(codes, scales)
+    if all(weight is None for _, weight in experts):
+        return codes
+    gates = torch.cat([(codes.new_ones(()) if weight is None else weight.to(codes.dtype)).expand(*codes.shape[:-1],
+                                                                                                  lora.rank)
+                       for lora, weight in experts], dim=-1)
+    return codes * gates
 
 
 class LoRAAdaptedLinear(nn.Module):
@@ -132,6 +159,8 @@ class LoRAAdaptedLinear(nn.Module):
     ``gates`` maps a key to the router's per-token weight for that expert,
     shape ``(…, 1)``; adapters without a gate are always on.
     """
+
+    fused = False  # the adapters' products stacked (:func:`add_gated`); set by ``training.fused_experts``
 
     def __init__(self, base: nn.Module, adapters: dict[str, LoRA], gates: dict[str, Gate] | None = None) -> None:
         super().__init__()
@@ -149,4 +178,4 @@ class LoRAAdaptedLinear(nn.Module):
         out = self.base(x)
         gated = [(adapter, self.gates[name]() if name in self.gates else None)
                  for name, adapter in self.adapters.items()]
-        return add_gated(out, x, gated) if gated else out
+        return add_gated(out, x, gated, self.fused) if gated else out

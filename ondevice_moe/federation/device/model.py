@@ -14,6 +14,7 @@ from ondevice_moe.federation import device_state
 from ondevice_moe.federation.device.base import job_base_model
 from ondevice_moe.federation.job import Job
 from ondevice_moe.layout import attach_layout
+from ondevice_moe.layout.fused import fuse_experts
 from ondevice_moe.methods import Method
 from ondevice_moe.models.checkpointing import enable_activation_checkpointing
 from ondevice_moe.models.heads import head_paths
@@ -34,6 +35,8 @@ def build_model(job: Job, device: int, base: nn.Module | None = None, seed: int 
         return base
     heads = () if job.recipe.is_language_modelling else head_paths(base)
     model = attach_layout(base, layout, seed=job.recipe.seed if seed is None else seed, user=device, own=heads)
+    if job.recipe.training.fused_experts:
+        fuse_experts(model)
     if whole:  # FLoRAL trains the base u with its adaptors (Alg. 1 line 8)
         return model.requires_grad_(True)
     for path in heads:
