@@ -30,8 +30,9 @@ MLP_MIXTURES = [
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 
-def _job(folder: Path, method, classification: bool, dtype: str = "float32", **training) -> Job:
-    raw = method_recipe(folder, "none", method, classification)
+def _job(folder: Path, method, classification: bool, dtype: str = "float32", quantization: str = "none",
+         **training) -> Job:
+    raw = method_recipe(folder, quantization, method, classification)
     raw["model"]["dtype"] = dtype
     raw["training"].update(training)
     return Job(validate_recipe(raw), 0, Path("."))
@@ -78,6 +79,15 @@ def test_a_causal_lms_fused_experts_give_its_outputs_and_gradients(saved_tiny_mo
 @pytest.mark.parametrize("method", [{"name": "comigs", "variant": "1G1S"}, "hermes", *MLP_MIXTURES], ids=case_name)
 def test_fused_experts_on_a_bfloat16_base_give_its_outputs_and_gradients(saved_tiny_models, method):
     _assert_fused_equals_unfused(_job(saved_tiny_models["tiny-llama"], method, False, dtype="bfloat16"), 257)
+
+
+@pytest.mark.parametrize("quantization", ["nf4", "int8"])
+@pytest.mark.parametrize("method", [{"name": "comigs", "variant": "1G1S"}, "hermes", MLP_MIXTURES[0]], ids=case_name)
+def test_fused_experts_on_a_quantized_base_give_its_outputs_and_gradients(saved_tiny_models, method, quantization):
+    job = _job(saved_tiny_models["tiny-llama"], method, False, quantization=quantization)
+    layers = {type(module).__name__ for module in dev.build_model(job, 0).modules()}
+    assert layers & {"Linear4bit", "Linear8bitLt"}, "the base is quantized"
+    _assert_fused_equals_unfused(job, 257)
 
 
 @pytest.mark.parametrize("method", CLASSIFICATION, ids=case_name)
