@@ -7,12 +7,13 @@ tokens per second of each:
 * ``ours`` — the user's mixture as ``ondevice-moe generate`` runs it (experts, routers; a key/value
   cache unless a router reads the whole text, :mod:`ondevice_moe.generate`);
 * ``ours-no-cache`` — the same model on the whole text at every step (``generate`` before the cache);
+  with ``--fused``, both ``ours`` sides have their expert sites fused (``training.fused_experts``);
 * ``peft`` — the user's export (``export --format peft``, the shared experts) loaded with
   ``PeftModel.from_pretrained`` on the same base, through transformers' ``generate``.
 
 Usage:
     python benchmarks/generate.py --run runs/quickstart [--method comigs-1G1S] [--user USER]
-        [--prompt TEXT] [--tokens 32] [--repeats 3] [--threads N] [--device cpu|cuda]
+        [--prompt TEXT] [--tokens 32] [--repeats 3] [--threads N] [--device cpu|cuda] [--fused]
 
 Prints a table, then (last line) the figures as one JSON object whose last number is the ratio
 ``ours`` ÷ ``peft`` of tokens per second.
@@ -38,6 +39,7 @@ from ondevice_moe.errors import UserError
 from ondevice_moe.export.bundle import export_user
 from ondevice_moe.federation.device import job_base_model
 from ondevice_moe.generate import Sampling, generate_tokens, prompt_tokens, uses_cache
+from ondevice_moe.layout.fused import fuse_experts
 from ondevice_moe.models import load_base_model
 from ondevice_moe.models.devices import DEVICE_NAMES, model_device, resolve_device
 from ondevice_moe.recipe import ModelSection
@@ -57,6 +59,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     options.add_argument("--repeats", type=int, default=3, help="timed generations per side, after one warm-up")
     options.add_argument("--device", choices=DEVICE_NAMES, help="default: the run's recipe")
     options.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    options.add_argument("--fused", action="store_true", help="our model's expert sites fused (training.fused_experts)")
     return options.parse_args(argv)
 
 
@@ -87,6 +90,8 @@ def measure(args: argparse.Namespace) -> dict[str, object]:
         torch.set_num_threads(args.threads)
     args.user = args.user or finished_jobs(args.run, args.device)[0].user_names[0]
     ours = open_user_model(args.run, args.method, args.user, args.device)
+    if args.fused:
+        fuse_experts(ours.model)
     tokenizer = job_base_model(ours.job).tokenizer
     where = model_device(ours.model)
     prompt = prompt_tokens(tokenizer, args.prompt, templated=False).to(where)
@@ -108,7 +113,7 @@ def measure(args: argparse.Namespace) -> dict[str, object]:
             if repeat > 0:  # the first is the warm-up
                 rates[side].append(tokens / seconds)
     tokens_per_s = {side: statistics.median(values) for side, values in rates.items()}
-    return {"method": args.method, "user": args.user, "tokens": args.tokens, "device": str(where),
+    return {"method": args.method, "user": args.user, "tokens": args.tokens, "device": str(where), "fused": args.fused,
             "cache": uses_cache(ours.model), "tokens_per_s": tokens_per_s,
             "cache_speedup": tokens_per_s["ours"] / tokens_per_s["ours-no-cache"],
             "ratio_vs_peft": tokens_per_s["ours"] / tokens_per_s["peft"]}

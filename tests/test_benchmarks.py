@@ -283,12 +283,14 @@ def test_byzantine_benchmark_runs_an_attack_against_a_rule_for_one_round(monkeyp
     assert "| inflated-count 10 % |" in (tmp_path / "byzantine.md").read_text()
 
 
-def test_generate_benchmark_times_ours_against_the_peft_export(tiny_llama_run, monkeypatch, capsys):
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
+def test_generate_benchmark_times_ours_against_the_peft_export(tiny_llama_run, monkeypatch, capsys, fused):
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     import generate
 
-    figures = generate.main(["--run", str(tiny_llama_run), "--tokens", "4", "--repeats", "1"])
-    assert figures["cache"] and figures["user"] == "code"
+    figures = generate.main(["--run", str(tiny_llama_run), "--tokens", "4", "--repeats", "1",
+                             *(["--fused"] if fused else [])])
+    assert figures["cache"] and figures["user"] == "code" and figures["fused"] == fused
     assert set(figures["tokens_per_s"]) == set(generate.SIDES) and min(figures["tokens_per_s"].values()) > 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert float(last.rstrip("}").split()[-1]) == figures["ratio_vs_peft"]
