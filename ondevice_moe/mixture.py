@@ -44,7 +44,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ondevice_moe.experts.adapter import Adapter, add_adapters
-from ondevice_moe.experts.lora import scaled
+from ondevice_moe.experts.lora import LoRA, scaled
 
 Expert = nn.ModuleDict | Adapter
 ExpertSet = list[Expert]
@@ -190,7 +190,7 @@ def stacked_mixed_mlp(form: MLPForm, mlp: nn.Module, experts: ExpertSet, weights
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
-def _stacked_residuals(pre: torch.Tensor, flat: torch.Tensor, loras: list) -> torch.Tensor:
+def _stacked_residuals(pre: torch.Tensor, flat: torch.Tensor, loras: list[LoRA]) -> torch.Tensor:
     """``pre + γ_j·B_j(A_j x)`` for every LoRA ``j`` of one linear layer, shape ``(experts, tokens, width)``:
     every ``A`` in one product, every ``B`` in one batched product added onto the shared ``pre``."""
     rank = loras[0].rank
@@ -200,7 +200,7 @@ def _stacked_residuals(pre: torch.Tensor, flat: torch.Tensor, loras: list) -> to
     return torch.baddbmm(pre.unsqueeze(0).expand(len(loras), -1, -1), codes.to(pre.dtype), ups.transpose(1, 2))
 
 
-def _scalings(loras: list, like: torch.Tensor) -> torch.Tensor:
+def _scalings(loras: list[LoRA], like: torch.Tensor) -> torch.Tensor:
     """Each LoRA's scaling γ in float32, shape ``(experts, 1, 1)``, to scale a stack of their codes."""
     return torch.tensor([lora.scaling for lora in loras], dtype=torch.float32, device=like.device)[:, None, None]
 
