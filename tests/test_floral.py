@@ -355,3 +355,16 @@ def test_transformer_sites_on_a_small_model_are_refused_with_the_fix():
     raw["methods"] = [{"name": "mixture", "experts": [{"kind": "lora"}], "router": "none", "mixing": "block"}]
     with pytest.raises(UserError, match="mixing: every-layer"):
         dev.build_model(Job(validate_recipe(raw), 0, Path(".")), 0)
+
+
+@pytest.mark.parametrize("method", ["floral", {"name": "floral", "optimal_routing": True}, "ensemble",
+                                    {"name": "ensemble", "optimal_routing": True}], ids=str)
+def test_every_client_mixture_sends_its_pi_for_the_servers_weights(method):
+    """The server weighs expert c by π_c (Alg. 1 line 12) only if π travels: the Ensemble's too (it once
+    sent none, and its π* runs averaged every cluster's model over all clients)."""
+    job = Job(load_recipe(TINY_FLORAL, [f"methods=[{json.dumps(method)}]"]), 0, Path("."))
+    trainer = dev.restore_trainer(job, 1, None, RecordDict())
+    pi = dev.upload(job, trainer)[1]["mixture"]["pi"]
+    assert len(pi) == 2 and sum(pi) == pytest.approx(1.0)
+    if isinstance(method, dict):  # π*: the device's own cluster, one-hot
+        assert sorted(pi) == [0.0, 1.0]

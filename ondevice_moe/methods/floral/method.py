@@ -18,7 +18,7 @@ from __future__ import annotations
 from ondevice_moe.errors import UserError
 from ondevice_moe.experts.layer import AdaptorKinds
 from ondevice_moe.layout import ExpertSpec, Layout, RouterSpec
-from ondevice_moe.methods.base import Method, MethodContext, Procedure, same_for_all
+from ondevice_moe.methods.base import Method, MethodContext, same_for_all
 from ondevice_moe.methods.floral.config import FedAvgAdaptorOptions, FLoRALOptions, FLoRALSizes, LocalAdaptorOptions
 from ondevice_moe.methods.floral.procedure import AdaptorProcedure
 from ondevice_moe.methods.floral.rule import MixtureRule
@@ -73,8 +73,9 @@ def ensemble(options: FLoRALOptions, context: MethodContext) -> Method:
     clusters = _clusters(options, context)
     experts = tuple(ExpertSpec("model", "shared") for _ in range(clusters))
     layouts = tuple(Layout(experts, router, "ensemble") for router in _routers(options, context, clusters))
-    procedure = Procedure(routers="none" if options.optimal_routing else "joint", full_finetune=True,
-                          joint_router_lr=options.router_lr)
+    # AdaptorProcedure: its π travels with the models, so the server weighs model c by π_c (Alg. 1 line 12).
+    procedure = AdaptorProcedure(routers="none" if options.optimal_routing else "joint", full_finetune=True,
+                                 joint_router_lr=options.router_lr)
     return Method(f"ensemble{_suffix(options)}", layouts, procedure, MixtureRule(context.weighting))
 
 

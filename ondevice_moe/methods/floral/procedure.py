@@ -19,7 +19,7 @@ LOW_RANK_MODULES = "low-rank-modules"
 
 @dataclass(frozen=True)
 class AdaptorProcedure(Procedure):
-    """FLoRAL, the Local Adaptor and the FedAvg of one adaptor: with ``lora_preconditioning`` every
+    """FLoRAL, its Ensemble, the Local Adaptor and the FedAvg of one adaptor: with ``lora_preconditioning`` every
     LoRA and ConvLoRA gradient is preconditioned between backward and the step (App. D, designed
     for SGD; it runs under whichever optimiser the recipe names)."""
 
