@@ -44,7 +44,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ondevice_moe.experts.adapter import Adapter, add_adapters
-from ondevice_moe.experts.lora import LoRA, scaled
+from ondevice_moe.experts.lora import LoRA, add_product, scaled
 
 Expert = nn.ModuleDict | Adapter
 ExpertSet = list[Expert]
@@ -181,8 +181,7 @@ def stacked_mixed_mlp(form: MLPForm, mlp: nn.Module, experts: ExpertSet, weights
         downs = torch.stack([lora.lora_A for lora in outputs]).to(activations.dtype)  # (experts, r, width)
         codes = scaled(torch.bmm(activations, downs.transpose(1, 2)), _scalings(outputs, activations))
         codes = (codes * lora_weights.to(codes.dtype)).transpose(0, 1).reshape(flat.shape[0], -1)
-        ups = torch.cat([lora.lora_B for lora in outputs], dim=1)
-        out = torch.addmm(out, codes.to(out.dtype), ups.t().to(out.dtype))
+        out = add_product(out, codes, torch.cat([lora.lora_B for lora in outputs], dim=1))
     if base_activation is not None:
         base_out = getattr(mlp, form.output)(base_activation)
         out = add_adapters(out, base_out, [(experts[j], flat_weights[:, j : j + 1]) for j in adapters])

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from ondevice_moe.experts.lora import Gate
+from ondevice_moe.experts.lora import Gate, add_product, gated_slices
 
 
 class Adapter(nn.Module):
@@ -84,12 +84,5 @@ def add_adapters(out: torch.Tensor, hidden: torch.Tensor, adapters: Sequence[tup
     slice scaled by its gate ``w_j`` (…, 1); equal to adding them one by one, to float rounding."""
     downs = torch.cat([adapter.down for adapter, _ in adapters], dim=0)
     bottleneck = torch.relu(nn.functional.linear(hidden, downs.to(hidden.dtype)))
-    if any(weight is not None for _, weight in adapters):
-        gates = torch.cat([(bottleneck.new_ones(()) if weight is None else weight.to(bottleneck.dtype))
-                           .expand(*bottleneck.shape[:-1], adapter.down.shape[0]) for adapter, weight in adapters],
-                          dim=-1)
-        bottleneck = bottleneck * gates
-    ups = torch.cat([adapter.up for adapter, _ in adapters], dim=1)
-    flat = out.reshape(-1, out.shape[-1])
-    summed = torch.addmm(flat, bottleneck.reshape(-1, bottleneck.shape[-1]).to(out.dtype), ups.t().to(out.dtype))
-    return summed.reshape(out.shape)
+    bottleneck = gated_slices(bottleneck, [(adapter.down.shape[0], weight) for adapter, weight in adapters])
+    return add_product(out, bottleneck, torch.cat([adapter.up for adapter, _ in adapters], dim=1))

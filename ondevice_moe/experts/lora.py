@@ -89,9 +89,7 @@ class LoRA(nn.Module):
 
     def add_codes(self, out: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
         """``out + B·codes`` in one fused multiply-add."""
-        flat = out.reshape(-1, out.shape[-1])
-        summed = torch.addmm(flat, codes.reshape(-1, codes.shape[-1]).to(out.dtype), self.lora_B.t().to(out.dtype))
-        return summed.reshape(out.shape)
+        return add_product(out, codes, self.lora_B)
 
     def add_to(self, out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         """``out + w·γ·B(A x)``: the base layer's output ``out`` plus this (gated) residual.
@@ -121,10 +119,7 @@ def add_gated(out: torch.Tensor, x: torch.Tensor, experts: Sequence[tuple[LoRA, 
         return lora.add_to(out, x, weight)
     codes = stacked_codes(x, experts) if fused else torch.cat([lora.codes(x, weight) for lora, weight in experts],
                                                                dim=-1)
-    ups = torch.cat([lora.lora_B for lora, _ in experts], dim=1)
-    flat = out.reshape(-1, out.shape[-1])
-    summed = torch.addmm(flat, codes.reshape(-1, codes.shape[-1]).to(out.dtype), ups.t().to(out.dtype))
-    return summed.reshape(out.shape)
+    return add_product(out, codes, torch.cat([lora.lora_B for lora, _ in experts], dim=1))
 
 
 def scaled(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -143,12 +138,24 @@ def stacked_codes(x: torch.Tensor, experts: Sequence[tuple[LoRA, torch.Tensor | 
     codes = nn.functional.linear(x, downs.to(x.dtype))
     scales = torch.cat([torch.full((lora.rank,), lora.scaling, device=codes.device) for lora, _ in experts])
     codes = scaled(codes, scales)
-    if all(weight is None for _, weight in experts):
+    return gated_slices(codes, [(lora.rank, weight) for lora, weight in experts])
+
+
+def gated_slices(codes: torch.Tensor, slices: Sequence[tuple[int, torch.Tensor | None]]) -> torch.Tensor:
+    """``codes`` (…, Σ width) with each consecutive slice of ``width`` units scaled by its gate (…, 1);
+    a slice without a gate is left as it is."""
+    if all(gate is None for _, gate in slices):
         return codes
-    gates = torch.cat([(codes.new_ones(()) if weight is None else weight.to(codes.dtype)).expand(*codes.shape[:-1],
-                                                                                                  lora.rank)
-                       for lora, weight in experts], dim=-1)
+    gates = torch.cat([(codes.new_ones(()) if gate is None else gate.to(codes.dtype)).expand(*codes.shape[:-1], width)
+                       for width, gate in slices], dim=-1)
     return codes * gates
+
+
+def add_product(out: torch.Tensor, codes: torch.Tensor, ups: torch.Tensor) -> torch.Tensor:
+    """``out + codes · upsᵀ`` in one fused multiply-add, in ``out``'s dtype (``ups``: (out width, code width))."""
+    flat = out.reshape(-1, out.shape[-1])
+    summed = torch.addmm(flat, codes.reshape(-1, codes.shape[-1]).to(out.dtype), ups.t().to(out.dtype))
+    return summed.reshape(out.shape)
 
 
 class LoRAAdaptedLinear(nn.Module):
