@@ -14,6 +14,10 @@ a token reads the *whole* text through another path says so with ``reads_whole_c
 (Flow's per-instance router, a running mean of the sequence's embeddings); a model holding one is
 run on the whole text at every step instead, as in training and in ``eval``.
 
+**Precision.** The experts' low-rank products run in float32, as PEFT runs adapters on a
+half-precision base; training and ``eval`` run them in the base's dtype
+(:mod:`~ondevice_moe.experts.precision`). On a float32 base the two are the same.
+
 **Instruction runs.** A run whose users' data are prompts and responses (an instruction source,
 :data:`~ondevice_moe.data.sources.INSTRUCTION_SOURCES`) trained through the tokenizer's chat template
 (:mod:`~ondevice_moe.data.instruction_blocks`); its prompt is the template applied to one user
@@ -32,6 +36,7 @@ from transformers.generation.streamers import TextStreamer
 
 from ondevice_moe.data.sources import INSTRUCTION_SOURCES
 from ondevice_moe.errors import UserError
+from ondevice_moe.experts.precision import products_in
 from ondevice_moe.federation.device import job_base_model
 from ondevice_moe.models.devices import model_device
 from ondevice_moe.recipe import Recipe
@@ -133,7 +138,8 @@ def generate_tokens(model: nn.Module, prompt_ids: torch.Tensor, max_new_tokens: 
     ``generate``'s, e.g. ``min_new_tokens``)."""
     where = model_device(model)
     cache = uses_cache(model) if use_cache is None else use_cache
-    with torch.random.fork_rng(devices=[where] if where.type == "cuda" else []), torch.no_grad():
+    with torch.random.fork_rng(devices=[where] if where.type == "cuda" else []), torch.no_grad(), \
+            products_in(torch.float32):
         torch.manual_seed(sampling.seed)
         output = model.generate(prompt_ids.to(where), attention_mask=torch.ones_like(prompt_ids).to(where),
                                 max_new_tokens=max_new_tokens, use_cache=cache, pad_token_id=pad_id,

@@ -45,6 +45,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ondevice_moe.experts.adapter import Adapter, add_adapters
 from ondevice_moe.experts.lora import LoRA, add_product, scaled
+from ondevice_moe.experts.precision import low_rank, product_dtype
 
 Expert = nn.ModuleDict | Adapter
 ExpertSet = list[Expert]
@@ -178,8 +179,9 @@ def stacked_mixed_mlp(form: MLPForm, mlp: nn.Module, experts: ExpertSet, weights
     out = getattr(mlp, form.output)(mixed)
     if loras:
         outputs = [experts[j][form.output] for j in loras]
-        downs = torch.stack([lora.lora_A for lora in outputs]).to(activations.dtype)  # (experts, r, width)
-        codes = scaled(torch.bmm(activations, downs.transpose(1, 2)), _scalings(outputs, activations))
+        dtype = product_dtype(activations)
+        downs = torch.stack([lora.lora_A for lora in outputs]).to(dtype)  # (experts, r, width)
+        codes = scaled(torch.bmm(activations.to(dtype), downs.transpose(1, 2)), _scalings(outputs, activations))
         codes = (codes * lora_weights.to(codes.dtype)).transpose(0, 1).reshape(flat.shape[0], -1)
         out = add_product(out, codes, torch.cat([lora.lora_B for lora in outputs], dim=1))
     if base_activation is not None:
@@ -193,10 +195,12 @@ def _stacked_residuals(pre: torch.Tensor, flat: torch.Tensor, loras: list[LoRA])
     """``pre + γ_j·B_j(A_j x)`` for every LoRA ``j`` of one linear layer, shape ``(experts, tokens, width)``:
     every ``A`` in one product, every ``B`` in one batched product added onto the shared ``pre``."""
     rank = loras[0].rank
-    codes = nn.functional.linear(flat, torch.cat([lora.lora_A for lora in loras]).to(flat.dtype))
+    codes = low_rank(flat, torch.cat([lora.lora_A for lora in loras]))
     codes = scaled(codes.reshape(flat.shape[0], len(loras), rank).transpose(0, 1), _scalings(loras, codes))
-    ups = torch.stack([lora.lora_B for lora in loras]).to(pre.dtype)  # (experts, width, r)
-    return torch.baddbmm(pre.unsqueeze(0).expand(len(loras), -1, -1), codes.to(pre.dtype), ups.transpose(1, 2))
+    dtype = product_dtype(pre)
+    ups = torch.stack([lora.lora_B for lora in loras]).to(dtype)  # (experts, width, r)
+    summed = torch.baddbmm(pre.to(dtype).unsqueeze(0).expand(len(loras), -1, -1), codes.to(dtype), ups.transpose(1, 2))
+    return summed.to(pre.dtype)
 
 
 def _scalings(loras: list[LoRA], like: torch.Tensor) -> torch.Tensor:

@@ -13,11 +13,13 @@ import torch
 from torch import nn
 
 from ondevice_moe.experts.lora import Gate, add_product, gated_slices
+from ondevice_moe.experts.precision import low_rank
 
 
 class Adapter(nn.Module):
     """The bottleneck residual ``up(relu(down(h)))`` of one adapter expert, computed in
-    the dtype of ``h`` (parameters may stay in fp32, as under ``torch.autocast``)."""
+    the dtype of ``h`` (parameters may stay in fp32, as under ``torch.autocast``; generation
+    computes in fp32, :mod:`~ondevice_moe.experts.precision`)."""
 
     def __init__(self, hidden_size: int, rank: int = 16, generator: torch.Generator | None = None) -> None:
         super().__init__()
@@ -28,19 +30,16 @@ class Adapter(nn.Module):
             self.down.uniform_(-bound, bound, generator=generator)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        bottleneck = torch.relu(nn.functional.linear(hidden, self.down.to(hidden.dtype)))
-        return nn.functional.linear(bottleneck, self.up.to(hidden.dtype))
+        bottleneck = torch.relu(low_rank(hidden, self.down))
+        return nn.functional.linear(bottleneck, self.up.to(bottleneck.dtype)).to(hidden.dtype)
 
     def add_to(self, out: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         """``out + w·adapter(hidden)``, the per-token weight ``w`` (…, 1) applied on the
         bottleneck and the sum fused into one multiply-add, in ``out``'s dtype."""
-        bottleneck = torch.relu(nn.functional.linear(hidden, self.down.to(hidden.dtype)))
+        bottleneck = torch.relu(low_rank(hidden, self.down))
         if weight is not None:
             bottleneck = bottleneck * weight.to(bottleneck.dtype)
-        flat = out.reshape(-1, out.shape[-1])
-        summed = torch.addmm(flat, bottleneck.reshape(-1, bottleneck.shape[-1]).to(out.dtype),
-                             self.up.t().to(out.dtype))
-        return summed.reshape(out.shape)
+        return add_product(out, bottleneck, self.up)
 
 
 class AdapterAfter(nn.Module):
@@ -82,7 +81,6 @@ def add_adapters(out: torch.Tensor, hidden: torch.Tensor, adapters: Sequence[tup
     """``out + Σ_j w_j·adapter_j(hidden)`` from two products whatever the number of adapters: the
     bottlenecks side by side are one adapter of width ``Σ r_j`` (ReLU acts on each unit alone), each
     slice scaled by its gate ``w_j`` (…, 1); equal to adding them one by one, to float rounding."""
-    downs = torch.cat([adapter.down for adapter, _ in adapters], dim=0)
-    bottleneck = torch.relu(nn.functional.linear(hidden, downs.to(hidden.dtype)))
+    bottleneck = torch.relu(low_rank(hidden, torch.cat([adapter.down for adapter, _ in adapters], dim=0)))
     bottleneck = gated_slices(bottleneck, [(adapter.down.shape[0], weight) for adapter, weight in adapters])
     return add_product(out, bottleneck, torch.cat([adapter.up for adapter, _ in adapters], dim=1))

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ondevice_moe.errors import UserError
+from ondevice_moe.experts.precision import low_rank, product_dtype
 
 Gate = Callable[[], torch.Tensor | None]
 
@@ -43,7 +44,8 @@ class LoRA(nn.Module):
 
     It computes in the dtype of the layer it adapts (bf16 on a bf16 base, as
     ``torch.autocast`` would), while its parameters may stay in fp32: no fp32
-    copy of the layer's input is made or kept for backward.
+    copy of the layer's input is made or kept for backward; generation runs
+    its products in fp32 (:mod:`~ondevice_moe.experts.precision`).
 
     ``B`` starts at zero, so a fresh expert leaves the base output unchanged.
     ``generator`` makes the initialisation of ``A`` reproducible: experts that
@@ -78,13 +80,13 @@ class LoRA(nn.Module):
             self.lora_A.uniform_(-bound, bound, generator=generator)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        hidden = nn.functional.linear(x, self.lora_A.to(x.dtype))
-        return nn.functional.linear(hidden, self.lora_B.to(x.dtype)) * self.scaling
+        hidden = low_rank(x, self.lora_A)
+        return (nn.functional.linear(hidden, self.lora_B.to(hidden.dtype)) * self.scaling).to(x.dtype)
 
     def codes(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         """``w·γ·A x``, shape ``(…, r)``: the scaling and a per-token weight ``w`` (…, 1)
         applied where they cost least, on the rank-``r`` codes."""
-        codes = nn.functional.linear(x, self.lora_A.to(x.dtype)) * self.scaling
+        codes = low_rank(x, self.lora_A) * self.scaling
         return codes if weight is None else codes * weight.to(codes.dtype)
 
     def add_codes(self, out: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
@@ -134,8 +136,7 @@ def stacked_codes(x: torch.Tensor, experts: Sequence[tuple[LoRA, torch.Tensor | 
     """Every expert's ``w_e·γ_e·A_e x`` side by side, shape ``(…, Σ r_e)``, from one product with the
     experts' ``A``s stacked; the scaling, then the gate, multiply each expert's slice, as
     :meth:`LoRA.codes` does."""
-    downs = torch.cat([lora.lora_A for lora, _ in experts], dim=0)
-    codes = nn.functional.linear(x, downs.to(x.dtype))
+    codes = low_rank(x, torch.cat([lora.lora_A for lora, _ in experts], dim=0))
     scales = torch.cat([torch.full((lora.rank,), lora.scaling, device=codes.device) for lora, _ in experts])
     codes = scaled(codes, scales)
     return gated_slices(codes, [(lora.rank, weight) for lora, weight in experts])
@@ -152,10 +153,12 @@ def gated_slices(codes: torch.Tensor, slices: Sequence[tuple[int, torch.Tensor |
 
 
 def add_product(out: torch.Tensor, codes: torch.Tensor, ups: torch.Tensor) -> torch.Tensor:
-    """``out + codes · upsᵀ`` in one fused multiply-add, in ``out``'s dtype (``ups``: (out width, code width))."""
-    flat = out.reshape(-1, out.shape[-1])
-    summed = torch.addmm(flat, codes.reshape(-1, codes.shape[-1]).to(out.dtype), ups.t().to(out.dtype))
-    return summed.reshape(out.shape)
+    """``out + codes · upsᵀ`` in one fused multiply-add (``ups``: (out width, code width)), in
+    :func:`~ondevice_moe.experts.precision.product_dtype` of ``out``, returned in ``out``'s dtype."""
+    dtype = product_dtype(out)
+    flat = out.reshape(-1, out.shape[-1]).to(dtype)
+    summed = torch.addmm(flat, codes.reshape(-1, codes.shape[-1]).to(dtype), ups.t().to(dtype))
+    return summed.reshape(out.shape).to(out.dtype)
 
 
 class LoRAAdaptedLinear(nn.Module):
