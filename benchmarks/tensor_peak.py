@@ -39,8 +39,10 @@ class LiveTensorPeak(TorchDispatchMode):
 
     def _add(self, tensor: torch.Tensor) -> None:
         storage = tensor.untyped_storage()
-        if storage._cdata not in self.live:
-            self.live[storage._cdata] = (StorageWeakRef(storage), storage.nbytes())
+        size = storage.nbytes()
+        # A fake tensor that torch.compile left behind has a symbolic size and no memory.
+        if isinstance(size, int) and storage._cdata not in self.live:
+            self.live[storage._cdata] = (StorageWeakRef(storage), size)
 
     def _total(self) -> int:
         return sum(size for _, size in self.live.values())

@@ -102,6 +102,23 @@ def test_live_tensor_peak_counts_what_is_alive_at_once(monkeypatch):
     assert (alive - start) / 2**20 == pytest.approx(3, abs=0.01)
 
 
+def test_live_tensor_peak_ignores_the_symbolic_fake_tensors_torch_compile_leaves_behind(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from tensor_peak import LiveTensorPeak
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    dynamic = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.DYNAMIC])
+    fake = FakeTensorMode(shape_env=ShapeEnv()).from_tensor(torch.ones(8, 4), symbolic_context=dynamic)
+    assert not isinstance(fake.untyped_storage().nbytes(), int)  # what made the meter's sum symbolic
+    with LiveTensorPeak() as meter:
+        start = meter.peak_bytes
+        made = torch.ones(2**20 // 4)
+    assert isinstance(meter.peak_bytes, int)
+    assert (meter.peak_bytes - start) / 2**20 == pytest.approx(1, abs=0.01)
+    del made, fake
+
+
 def test_benchmarks_refuse_cuda_without_a_gpu(benchmarks, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     for script in benchmarks.values():
