@@ -28,6 +28,7 @@ class LiveTensorPeak(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.live: dict[int, tuple[StorageWeakRef, int]] = {}
+        gc.collect()  # tensors in unreachable cycles are not held: collected mid-step, they would lower the total
         with warnings.catch_warnings():  # isinstance on some modules' deprecated attributes warns
             warnings.simplefilter("ignore")
             # type(), not isinstance: a weakref.proxy (torch.compile keeps some) whose object is gone

@@ -424,7 +424,11 @@ class FederationSection(_Section):
     (:mod:`ondevice_moe.server_rules.robust`); ``update_norm_bound``: an upload whose L2 norm exceeds this
     many times the norm of what the server holds (at least 1) is rejected (``null``: no bound);
     ``join_wait_s``: on real devices, how long a method waits for every device before it starts with
-    at least ``min_clients`` of them (the others join from the round after they connect).
+    at least ``min_clients`` of them (the others join from the round after they connect);
+    ``evaluation_rides``: a round's evaluation rides on the next round's training messages where
+    they carry the same tensors to every device, one exchange instead of two (``null``, the default:
+    on real devices, where each exchange costs a SuperNode's pick-up and four hops of the tensors;
+    :mod:`ondevice_moe.federation.riding`).
     """
 
     rounds: int = Field(20, ge=1, le=1_000_000)
@@ -449,6 +453,7 @@ class FederationSection(_Section):
     byzantine: int = Field(1, ge=0)
     update_norm_bound: float | None = Field(100.0, gt=0)
     join_wait_s: float = Field(60.0, ge=0)
+    evaluation_rides: bool | None = None
 
     @model_validator(mode="after")
     def _one_sampling_rule(self) -> FederationSection:

@@ -101,6 +101,25 @@ def test_same_seed_gives_the_same_numbers(tiny_run, tmp_path):
     assert again.summary["methods"]["fedavg"] == result.summary["methods"]["fedavg"]
 
 
+def test_an_evaluation_riding_on_the_next_rounds_training_gives_the_same_figures(tiny_run, tmp_path):
+    recipe, result, _ = tiny_run
+    riding = recipe.model_copy(update={"methods": recipe.methods[2:3], "federation": recipe.federation.model_copy(
+        update={"evaluation_rides": True})})
+    lines: list[str] = []
+    again = runner.run_recipe(riding, tmp_path / "riding", on_round=lambda done, total, line: lines.append(line))
+    assert again.summary["methods"]["comigs-1G1S"] == result.summary["methods"]["comigs-1G1S"]
+
+    def evaluations(run_dir: Path) -> list[dict]:
+        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        return [{k: v for k, v in r.items() if k != "time"} for r in records
+                if r.get("kind") == "eval" and r["method"] == "comigs-1G1S"]
+
+    assert [r["round"] for r in evaluations(again.run_dir)] == [1, 1, 1, 2, 2, 2]
+    assert evaluations(again.run_dir) == evaluations(result.run_dir)
+    # round 1's evaluation was read from round 2's training replies; the last round's had its own exchange
+    assert any("after round 1" in line for line in lines if line.startswith("round 2"))
+
+
 def test_compare_over_runs(tiny_run):
     from ondevice_moe.compare import comparison
 

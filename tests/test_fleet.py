@@ -78,29 +78,55 @@ def crash_after(grid: DeviceGrid, trained: int, evaluated: int) -> None:
     grid.send_and_receive, grid.get_node_ids = send_and_receive, get_node_ids
 
 
-@pytest.mark.parametrize("when", ["after round 1", "after the devices trained round 2"])
-def test_a_crashed_server_continues_its_run_and_ends_with_the_figures_of_an_uninterrupted_run(tmp_path, when):
+def record_sent(grid: DeviceGrid) -> list[Message]:
+    """The messages the server sends through ``grid`` from now on, as they go."""
+    sent: list[Message] = []
+    send = grid.send_and_receive
+
+    def send_and_receive(messages, *, timeout=None):
+        messages = list(messages)
+        sent.extend(messages)
+        return send(messages, timeout=timeout)
+
+    grid.send_and_receive = send_and_receive
+    return sent
+
+
+@pytest.mark.parametrize(("rides", "trained", "evaluated", "kept"), [
+    (False, 1, 1, 1),  # after round 1 and its own evaluation
+    (False, 2, 1, 1),  # after the devices trained round 2, before the server aggregated it
+    (True, 1, 0, 1),  # after round 1, its evaluation to ride on round 2's messages
+    (True, 2, 0, 2),  # after round 2, whose evaluation was to ride on round 3's
+], ids=["after round 1", "after the devices trained round 2", "riding, after round 1", "riding, after round 2"])
+def test_a_crashed_server_continues_its_run_and_ends_with_the_figures_of_an_uninterrupted_run(
+        tmp_path, rides, trained, evaluated, kept):
     """The server keeps its slots after each round and each device its state of each round it trained, so a
-    new Flower run sends the cut round again; a device that had trained it already goes back a round."""
+    new Flower run sends the cut round again; a device that had trained it already goes back a round. A
+    kept round whose evaluation was to ride on the cut round's messages rides on them when they go again."""
     folders = private_folders(tmp_path / "data")
-    recipe = device_recipe({"name": "comigs", "variant": "1G1S"}, rounds=3)
+    recipe = device_recipe({"name": "comigs", "variant": "1G1S"}, rounds=3, evaluation_rides=rides)
     whole = final_figures(federate(recipe, DeviceGrid(recipe, folders, tmp_path / "a"), tmp_path / "a" / "server"))
 
     grid = DeviceGrid(recipe, folders, tmp_path / "b")
-    crash_after(grid, len(USERS) * (1 if when == "after round 1" else 2), len(USERS))
+    crash_after(grid, len(USERS) * trained, len(USERS) * evaluated)
     with pytest.raises(Crash):
         federate(recipe, grid, tmp_path / "b" / "server")
     job = Job(recipe, 0, tmp_path / "b" / "server", submitted=True)
-    assert load_round(job, {})[0] == 1  # the last completed round
-    kept = device_snapshots.rounds_kept(device_job(grid.contexts[grid.node_of(0)], 0))
-    assert kept == ([1] if when == "after round 1" else [1, 2])
+    assert load_round(job, {})[0] == kept  # the last completed round
+    assert device_snapshots.rounds_kept(device_job(grid.contexts[grid.node_of(0)], 0)) == list(range(1, trained + 1))
     again = DeviceGrid(recipe, folders, tmp_path / "b")  # a new Flower run: fresh contexts, the same disks
+    sent = record_sent(again)
     records = federate(recipe, again, tmp_path / "b" / "server")
     assert final_figures(records) == whole  # to the last digit
-    assert [r["round"] for r in records if r["kind"] == "resume"] == [1]
-    assert sorted(r["round"] for r in records if r["kind"] == "comm") == [1, 2, 3]  # round 2 once, not twice
+    assert [r["round"] for r in records if r["kind"] == "resume"] == [kept]
+    configs = [m.content.config_records["config"] for m in sent if m.metadata.message_type == "train"]
+    carried = {int(c["server-round"]): int(c["evaluate-round"]) for c in configs if "evaluate-round" in c}
+    assert carried == ({r + 1: r for r in range(kept, 3)} if rides else {})
+    assert sorted(r["round"] for r in records if r["kind"] == "comm") == [1, 2, 3]  # the cut round once, not twice
+    assert sorted((r["round"], r["user"]) for r in records if r["kind"] == "eval") == sorted(
+        (server_round, user) for server_round in (1, 2, 3) for user in USERS)  # every evaluation once
     train = {(r["user"], r["round"]): r for r in records if r["kind"] == "train"}
-    assert train[("code", 2)]["resumed_round"] == 1  # it came back from its own disk
+    assert train[("code", kept + 1)]["resumed_round"] == kept  # it came back from its own disk
 
 
 def test_a_slot_belongs_to_the_key_that_first_claimed_it_across_restarts_and_a_bound_key_wins(tmp_path):

@@ -46,6 +46,7 @@ from ondevice_moe.federation.job import Job, device_job, message_method, submitt
 from ondevice_moe.federation.node import REFUSED, node_facts
 from ondevice_moe.federation.privacy import noise_generator, privatize
 from ondevice_moe.federation.redaction import path_free
+from ondevice_moe.federation.riding import EVALUATE_ROUND, EVALUATION
 from ondevice_moe.federation.secure_aggregation import secure_aggregation_mod
 from ondevice_moe.federation.wire import pack, unpack
 from ondevice_moe.routing.lifecycle import begin_round
@@ -163,6 +164,7 @@ def train(msg: Message, context: Context) -> Message:
     server_round = int(msg.content["config"]["server-round"])
     resumed = _stored_state(job, context, msg, server_round - 1)
     arrays = _received(job, msg)
+    evaluation = _riding_evaluation(job, device, msg, context, arrays, server_round)
     procedure = job.method.procedure
     trainer = dev.restore_trainer(job, device, arrays if procedure.loads_received else None, context.state)
     chosen = procedure.begin_round(dev.JobDevice(job, device, context.state), trainer, arrays, server_round)
@@ -186,8 +188,34 @@ def train(msg: Message, context: Context) -> Message:
     content = RecordDict({"arrays": pack(encode(tensors, job.recipe.federation.transport))})
     for key, values in records.items():
         content[key] = MetricRecord(values)
+    if evaluation is not None:
+        content[EVALUATION] = MetricRecord(evaluation)
     content["metrics"] = MetricRecord({**metrics, **handler_figures(started)})
     return Message(content, reply_to=msg)
+
+
+def _riding_evaluation(job: Job, device: int, msg: Message, context: Context,
+                       arrays: dict[str, torch.Tensor] | None, server_round: int) -> dict[str, float] | None:
+    """The evaluation of the previous round that rides on this training message, where the server
+    asks for one (:mod:`~ondevice_moe.federation.riding`): what :func:`evaluate` would have replied to
+    that round's own evaluation message, from the same state and tensors."""
+    config = msg.content["config"]
+    if EVALUATE_ROUND not in config:
+        return None
+    if int(config[EVALUATE_ROUND]) != server_round - 1:
+        raise UserError(f"the server asked this device to evaluate round {config[EVALUATE_ROUND]} with round "
+                        f"{server_round}'s training, which follows round {server_round - 1}",
+                        "run the same ondevice-moe version on the server and the devices")
+    return _tested(job, device, arrays, context)[1]
+
+
+def _tested(job: Job, device: int, arrays: dict[str, torch.Tensor] | None,
+            context: Context) -> tuple[torch.nn.Module, dict[str, float]]:
+    """The device's model with the server's ``arrays``, and the method's test of it (its records)."""
+    loads = job.method.procedure.loads_received
+    model = dev.restore_model(job, device, arrays if loads else None, context.state)
+    scores = prepare_test(job, device, model, None if loads else arrays, context.state)
+    return model, {**evaluate_device(job, device, model, context.state), **scores, "device": device}
 
 
 @app.evaluate()
@@ -197,12 +225,7 @@ def evaluate(msg: Message, context: Context) -> Message:
     job = device_job(context, message_method(msg))
     device = _device_index(context)
     _stored_state(job, context, msg, int(msg.content["config"]["server-round"]))
-    arrays = _received(job, msg)
-    loads = job.method.procedure.loads_received
-    model = dev.restore_model(job, device, arrays if loads else None, context.state)
-    scores = prepare_test(job, device, model, None if loads else arrays, context.state)
-    metrics = {**evaluate_device(job, device, model, context.state), **scores}
-    metrics["device"] = device
+    model, metrics = _tested(job, device, _received(job, msg), context)
     if msg.content["config"].get("final", False) and job.method.trains:
         dev.save_checkpoint(job, device, model)
         if job.on_device:

@@ -3,7 +3,8 @@
 On real devices a run must outlive its server: after a crash of the SuperLink's machine, or a
 stop, the same ``finetune --federation`` command starts a new Flower run that continues from the
 last completed round. After every round (training, aggregation, and that round's evaluation and
-records all written) the ServerApp keeps the server rule's slots and the round's number under
+records all written, or its evaluation riding on the next round's messages:
+:mod:`~ondevice_moe.federation.riding`) the ServerApp keeps the server rule's slots and the round's number under
 ``server_state/<method>/`` in the run folder; each device keeps its own state of every round it
 trained (:mod:`ondevice_moe.federation.device_snapshots`). A continued run loads the slots,
 drops the records of the round that was cut short, and sends that round again; sampling, data

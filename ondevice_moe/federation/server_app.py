@@ -202,8 +202,11 @@ def run_federation(grid: Grid, job: Job, log: MetricsLog, connected: dict[int, i
     if done:
         log.discard_after(job.method.name, done)
         log.write({"method": job.method.name, "kind": "resume", "round": done})
+    evaluated = any(r["kind"] == "eval" and r.get("method") == job.method.name and r.get("round") == done
+                    for r in log.read()) if done else True
     strategy = SlotStrategy(job, nodes, log, progress or progress_hook, keeper, run_key, done + 1, slots,
-                            (lambda server_round, kept: save_round(job, server_round, kept)) if job.submitted else None)
+                            (lambda server_round, kept: save_round(job, server_round, kept)) if job.submitted else None,
+                            evaluation_missing=not evaluated)
     for node, why in refused:
         strategy.roster.refuse(grid, node, why)
     if strategy.total_rounds == 0:

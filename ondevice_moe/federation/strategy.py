@@ -54,6 +54,7 @@ from ondevice_moe.federation.evaluation import user_values
 from ondevice_moe.federation.handshake import FederationFailure, NodeRoster
 from ondevice_moe.federation.job import Job
 from ondevice_moe.federation.privacy import noise_std
+from ondevice_moe.federation.riding import EVALUATE_ROUND, EVALUATION, rides, same_message
 from ondevice_moe.federation.secure_aggregation import SecureRound, secure_round
 from ondevice_moe.federation.slots import SlotKeeper
 from ondevice_moe.federation.window import Sent, WindowedGrid
@@ -136,14 +137,17 @@ class SlotStrategy(Strategy):
     followed as devices come and go by :attr:`roster`, which ``keeper`` (real devices) holds to
     the run's slot keys; ``log``: the run's ``metrics.jsonl``; ``progress``: called after each
     round with ``(round, total_rounds, line)``. A continued run (``first_round`` after 1) starts
-    from the ``slots`` it kept; ``keep_round(round, slots)`` keeps them after each round;
+    from the ``slots`` it kept (``evaluation_missing``: the log holds no evaluation of that round);
+    ``keep_round(round, slots)`` keeps them after each round;
     ``run_key`` goes to every device with each message (its state of this run, not another's).
     """
 
     def __init__(self, job: Job, nodes: dict[int, int], log: MetricsLog, progress: Progress | None = None,
                  keeper: SlotKeeper | None = None, run_key: str | None = None, first_round: int = 1,
-                 slots: Slots | None = None, keep_round: KeepRound | None = None) -> None:
+                 slots: Slots | None = None, keep_round: KeepRound | None = None,
+                 evaluation_missing: bool = False) -> None:
         self.job = job
+        self.evaluation_missing = evaluation_missing
         self.rule = job.server_rule
         self.log = log
         self.progress = progress
@@ -153,6 +157,7 @@ class SlotStrategy(Strategy):
         federation = job.recipe.federation
         self.federation = federation
         self.total_rounds = federation.rounds if job.method.trains else 0
+        self.riding = rides(job) and federation.secure_aggregation == "none"
         self.count = len(job.method.layouts)
         self.roster = NodeRoster(nodes, self.count, self.record, keeper, federation.reply_timeout_s)
         self.per_round = devices_per_round(federation, self.count)
@@ -181,21 +186,59 @@ class SlotStrategy(Strategy):
 
     def run(self, grid: Grid) -> None:
         """Every round from ``first_round`` to the last, as Flower's :meth:`Strategy.start` runs them:
-        train, aggregate, evaluate (where :meth:`evaluates` says), then keep the round; a stop requested
-        meanwhile (Ctrl-C, :mod:`ondevice_moe.stop_request`) ends the run here, between rounds."""
-        timeout = self.federation.reply_timeout_s
+        train, aggregate, evaluate (where :meth:`evaluates` says), then keep the round. A round's
+        evaluation rides on the next round's training messages where it can
+        (:mod:`~ondevice_moe.federation.riding`); a continued run whose last kept round's evaluation was
+        not read evaluates it first. A stop requested meanwhile (Ctrl-C, :mod:`ondevice_moe.stop_request`)
+        ends the run here, between rounds, its last round evaluated on its own."""
         arrays = pack_slots(self.slots)
+        riding = self._unevaluated(grid, arrays)  # the round whose evaluation rides on this round's messages
         for server_round in range(self.first_round, self.total_rounds + 1):
-            replies = grid.send_and_receive(self.configure_train(server_round, arrays, ConfigRecord(), grid),
-                                            timeout=timeout)
+            replies = list(grid.send_and_receive(self.configure_train(server_round, arrays, ConfigRecord(), grid,
+                                                                      riding),
+                                                 timeout=self.federation.reply_timeout_s))
+            evaluated = []  # (round, mean) of each evaluation read with this round
+            if riding is not None:
+                evaluated.append((riding, self.aggregate_evaluate(riding, replies, EVALUATION)))
             arrays, _ = self.aggregate_train(server_round, replies)
-            replies = grid.send_and_receive(self.configure_evaluate(server_round, arrays, ConfigRecord(), grid),
-                                            timeout=timeout)
-            self.aggregate_evaluate(server_round, replies)
+            stopping = stop_request.requested() and server_round < self.total_rounds
+            riding = server_round if self._rides_on_next(server_round) and not stopping else None
+            if riding is None and self.evaluates(server_round):
+                evaluated.append((server_round, self._evaluate_apart(grid, server_round, arrays)))
+            self._log_round(server_round)
+            self._report(server_round, evaluated)
             if self.keep_round is not None:
                 self.keep_round(server_round, self.slots)
-            if stop_request.requested() and server_round < self.total_rounds:
+            if stopping:
                 raise stop_request.Stopped(server_round)
+
+    def _unevaluated(self, grid: Grid, arrays: ArrayRecord) -> int | None:
+        """A continued run's last kept round, where it evaluates but its evaluation was not read (it was
+        to ride on the round cut short): the round whose evaluation rides on the first round's messages,
+        or, where it cannot, evaluated now in its own exchange."""
+        kept = self.first_round - 1
+        if not (kept and self.evaluation_missing and self.evaluates(kept)):
+            return None
+        if self._rides_on_next(kept):
+            return kept
+        self._round = {"started": time.perf_counter()}
+        self._evaluate_apart(grid, kept, arrays)
+        return None
+
+    def _evaluate_apart(self, grid: Grid, server_round: int, arrays: ArrayRecord) -> float | None:
+        """Round ``server_round``'s evaluation in an exchange of its own; the devices' mean headline figure."""
+        replies = grid.send_and_receive(self.configure_evaluate(server_round, arrays, ConfigRecord(), grid),
+                                        timeout=self.federation.reply_timeout_s)
+        return self.aggregate_evaluate(server_round, replies)
+
+    def _rides_on_next(self, server_round: int) -> bool:
+        """Whether round ``server_round``'s evaluation can ride on round ``server_round + 1``'s training
+        messages: it evaluates, the next round trains every device on the same tensors, without SecAgg+."""
+        if not (self.riding and self.evaluates(server_round) and server_round < self.total_rounds):
+            return False
+        following = server_round + 1
+        everyone = sorted(self.rule.devices_to_train(self.slots, self._sampled(following))) == list(range(self.count))
+        return everyone and all(same_message(self.rule, self.slots, device, following) for device in range(self.count))
 
     def record(self, fields: dict[str, Any]) -> None:
         """Write an event of this method to the run's log, naming the user of its ``device``."""
@@ -230,7 +273,8 @@ class SlotStrategy(Strategy):
     # -- training -------------------------------------------------------------
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
-                        grid: Grid) -> Iterable[Message]:
+                        grid: Grid, riding: int | None = None) -> Iterable[Message]:
+        """The round's training messages; ``riding``: the round whose evaluation they carry too."""
         self._grid = grid
         self.roster.refresh(grid)
         self.slots = unpack_slots(arrays, self.rule.initial_slots())
@@ -238,8 +282,10 @@ class SlotStrategy(Strategy):
         started = time.perf_counter()
         present = self._online(grid, sampled)
         self._round = {"started": started, "sampled": sampled, "present": present, "sent": {}}
+        if riding is not None:
+            self._round.update(asked=present, evaluation_started=started)
         self._privacy.record_round(sampled)
-        messages = self._train_messages(present, server_round)
+        messages = self._train_messages(present, server_round, riding)
         if self.federation.secure_aggregation == "secaggplus":
             # SecAgg+'s four round trips run here, where Flower hands over the Grid; Flower then sends nothing.
             by_node = {self.nodes[device]: message for device, message in zip(present, messages, strict=True)}
@@ -248,12 +294,12 @@ class SlotStrategy(Strategy):
             return []
         return messages
 
-    def _train_messages(self, sampled: list[int], server_round: int) -> Iterator[Message]:
+    def _train_messages(self, sampled: list[int], server_round: int, riding: int | None) -> Iterator[Message]:
         """The sampled devices' training messages, each built when the grid takes it (so a
         :class:`~ondevice_moe.federation.window.WindowedGrid` holds only its window of them),
         its bytes then counted as sent."""
         for device in sampled:
-            message = self._message(device, MessageType.TRAIN, server_round, final=False)
+            message = self._message(device, MessageType.TRAIN, server_round, final=False, riding=riding)
             self._round["sent"][device] = record_bytes(message.content["arrays"])
             yield message
 
@@ -282,8 +328,6 @@ class SlotStrategy(Strategy):
                         "devices": devices, "dropped": len(drops)})
         self._log_privacy(server_round)
         self._round.update(bytes_up=bytes_up, drops=sorted(drops))
-        if not self.evaluates(server_round):
-            self._report(server_round, None)
         return pack_slots(self.slots), MetricRecord({"devices": devices, "dropped": len(drops)})
 
     def _sound_updates(self, server_round: int, replies: Iterable[Message],
@@ -397,8 +441,6 @@ class SlotStrategy(Strategy):
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                            grid: Grid) -> Iterable[Message]:
-        if not self.evaluates(server_round):
-            return []
         self._grid = grid
         self.roster.refresh(grid)
         self._round["evaluation_started"] = time.perf_counter()
@@ -412,16 +454,22 @@ class SlotStrategy(Strategy):
         self._round["asked"] = self._online(grid, sorted(self.nodes))
         return (self._message(device, MessageType.EVALUATE, server_round, final) for device in self._round["asked"])
 
-    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
-        if not self.evaluates(server_round):  # Flower calls this every round; nobody was asked
-            self._log_round(server_round)
-            return None
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message],
+                           record: str = "metrics") -> float | None:
+        """Write each device's ``eval`` records from its reply's ``record`` (``metrics``: an evaluate reply;
+        :data:`~ondevice_moe.federation.riding.EVALUATION`: a training reply it rode on); the mean
+        headline figure over devices (``None``: no device could be evaluated)."""
         drops = {device: self._absent(device) for device in range(self.count) if device not in self._round["asked"]}
         headline = []
         asked = self._round["asked"]
-        for device, reply in self._by_device(replies, asked, drops, self._round["evaluation_started"]):
-            metrics = dict(reply.content["metrics"])
-            self._time_handler(device, metrics)
+        own_exchange = record == "metrics"  # a ridden-on exchange is timed with its training
+        for device, reply in self._by_device(replies, asked, drops, self._round["evaluation_started"], own_exchange):
+            if record not in reply.content.metric_records:
+                drops[device] = f"malformed reply (no {record} record)"
+                continue
+            metrics = dict(reply.content[record])
+            if own_exchange:
+                self._time_handler(device, metrics)
             for index in self._own_users(device):  # a device reports for the users it holds, nobody else
                 values = user_values(metrics, index)
                 if values:
@@ -434,17 +482,12 @@ class SlotStrategy(Strategy):
             reasons = "; ".join(f"device {d}: {why}" for d, why in sorted(drops.items())) or "none connected"
             raise FederationFailure(f"the final evaluation succeeded on {evaluated} of {self.count} devices, "
                                     f"fewer than federation.min_clients={self.federation.min_clients} ({reasons})")
-        mean = sum(headline) / len(headline) if headline else None  # None: no device could be evaluated
-        self._report(server_round, mean)
-        if server_round > 0:  # a method that does not train has no round to time
-            self._log_round(server_round)
-        return MetricRecord({} if mean is None else {"mean": mean})
+        return sum(headline) / len(headline) if headline else None
 
     def evaluate_untrained(self, grid: Grid) -> None:
         """The single evaluation of a method that does not train (the pretrained reference)."""
         self._round = {"started": time.perf_counter()}
-        messages = self.configure_evaluate(0, pack_slots(self.slots), ConfigRecord(), grid)
-        self.aggregate_evaluate(0, grid.send_and_receive(messages, timeout=self.federation.reply_timeout_s))
+        self._report(0, [(0, self._evaluate_apart(grid, 0, pack_slots(self.slots)))])
 
     # -- round overhead -------------------------------------------------------
 
@@ -495,20 +538,23 @@ class SlotStrategy(Strategy):
 
     # -- helpers --------------------------------------------------------------
 
-    def _message(self, device: int, kind: str, server_round: int, final: bool) -> Message:
+    def _message(self, device: int, kind: str, server_round: int, final: bool, riding: int | None = None) -> Message:
         train_round = server_round if kind == MessageType.TRAIN else None
         arrays = pack(encode(self.rule.message_for(self.slots, device, train_round), self.federation.transport))
         config = ConfigRecord({"server-round": server_round, "final": final, "method": self.job.method_index})
+        if riding is not None:
+            config[EVALUATE_ROUND] = riding
         if self.run_key is not None:
             config[RUN_KEY] = self.run_key
         return Message(RecordDict({"arrays": arrays, "config": config}), dst_node_id=self.nodes[device],
                        message_type=kind, group_id=str(server_round))
 
     def _by_device(self, replies: Iterable[Message], expected: list[int], drops: dict[int, str],
-                   started: float) -> list[tuple[int, Message]]:
+                   started: float, timed: bool = True) -> list[tuple[int, Message]]:
         """Sound replies in device order (so aggregation is deterministic); the rest go to ``drops``, each
         with what happened: it raised, went offline (the SuperLink answers for a node that missed its
-        heartbeats), or sent nothing before the exchange ended (``started``: when it began)."""
+        heartbeats), or sent nothing before the exchange ended (``started``: when it began). ``timed``:
+        note each reply's exchange time (once per exchange)."""
         answered: dict[int, Message] = {}
         for reply in replies:
             device = self._sender(reply)
@@ -517,7 +563,7 @@ class SlotStrategy(Strategy):
             answered[device] = reply
             if reply.has_error():
                 drops[device] = _error_reason(reply.error.code, reply.error.reason)
-            else:
+            elif timed:
                 self._time_exchange(device, reply)
         waited = time.perf_counter() - started
         timeout = self.federation.reply_timeout_s
@@ -546,7 +592,8 @@ class SlotStrategy(Strategy):
         try:
             metrics = dict(content["metrics"])
             arrays = content["arrays"]
-            records = {key: dict(record) for key, record in content.metric_records.items() if key != "metrics"}
+            records = {key: dict(record) for key, record in content.metric_records.items()
+                       if key not in ("metrics", EVALUATION)}
             examples = metrics["num-examples"]
             if isinstance(examples, bool) or not float(examples).is_integer():
                 raise ValueError(f"num-examples {examples!r} is not a whole number")
@@ -584,17 +631,22 @@ class SlotStrategy(Strategy):
     def _user(self, device: int) -> str:
         return "all" if self.job.method.centralized else self.job.recipe.user_names[device]
 
-    def _report(self, server_round: int, mean: float | None) -> None:
+    def _report(self, server_round: int, evaluated: list[tuple[int, float | None]]) -> None:
+        """The progress line of a round; ``evaluated``: (round, mean) of the evaluations read with it
+        (the one before, where it rode on this round's messages, and this one's own)."""
         if self.progress is None:
             return
         if self.total_rounds == 0:
+            mean = evaluated[0][1]
             self.progress(0, 0, "evaluated: " + ("no device answered" if mean is None else f"mean {mean:.2f}"))
             return
         parts = [f"round {server_round}"]
-        if mean is not None:
-            language = self.job.recipe.is_language_modelling
-            label = f"mean {self.job.recipe.data.eval_split} ppl" if language else "mean score"
-            parts.append(f"{label} {mean:.2f}")
+        language = self.job.recipe.is_language_modelling
+        label = f"mean {self.job.recipe.data.eval_split} ppl" if language else "mean score"
+        for evaluated_round, mean in evaluated:
+            if mean is not None:
+                after = "" if evaluated_round == server_round else f" after round {evaluated_round}"
+                parts.append(f"{label}{after} {mean:.2f}")
         parts.append(f"upload {self._round['bytes_up'] / 1024:.0f} KiB")
         parts.append(f"{time.perf_counter() - self._round['started']:.0f}s")
         if self._round["drops"]:
