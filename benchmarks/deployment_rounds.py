@@ -7,7 +7,10 @@ The same recipe and methods run three ways, each into its own folder under ``--o
   (``ondevice_moe.federation.localhost``), submitted with ``ondevice-moe finetune --federation``;
   Flower's default isolation starts one ``flwr-clientapp`` process per message;
 * ``deployment + device``: the same with ``--isolation process`` and one ``ondevice-moe device``
-  process per device, which runs every message of its device.
+  process per device, which runs every message of its device; a round's evaluation rides on the
+  next round's training messages (``federation.evaluation_rides``, the default on real devices);
+* ``deployment + device, evaluation apart``: the same with every evaluation in an exchange of its
+  own (``--set federation.evaluation_rides=false``), two exchanges a round, as Flower's strategies run.
 
 From each run's ``round`` records: the mean wall time of a round, the busiest process's handler
 time, the overhead ``(wall − busiest) ÷ wall`` and ``wall ÷ busiest − 1`` (the same fact, as a share
@@ -40,7 +43,9 @@ from ondevice_moe.federation.localhost import LocalFederation, environment
 from ondevice_moe.recipe import load_recipe
 from ondevice_moe.report import MetricsLog
 
-MODES = ("simulation", "deployment", "deployment + device")
+DEVICE = "deployment + device"
+APART = "deployment + device, evaluation apart"
+MODES = ("simulation", "deployment", DEVICE, APART)
 CONNECTION = "local-benchmark"
 
 
@@ -48,15 +53,16 @@ def options(argv: Sequence[str] | None):
     parser = simulations.parser(__doc__, "deployment-rounds")
     parser.set_defaults(recipe=simulations.ROOT / "tests" / "recipes" / "tiny.yaml")
     parser.add_argument("--methods", nargs="+", default=["fedavg"], help="method entries, as in a recipe")
-    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="which ways to run it")
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES[:3]), help="which ways to run it")
     return parser.parse_args(argv)
 
 
-def finetune_command(args, output: Path, federation: str | None) -> list[str]:
+def finetune_command(args, output: Path, federation: str | None, mode: str) -> list[str]:
     command = [str(Path(sys.executable).with_name("ondevice-moe")), "finetune", str(args.recipe),
                "--output", str(output), "--set", f"methods=[{', '.join(args.methods)}]"]
     sizes = [f"federation.rounds={args.rounds}"] if args.rounds else []
     sizes += [f"federation.local_iterations={args.iterations}"] if args.iterations else []
+    sizes += ["federation.evaluation_rides=false"] if mode == APART else []
     for override in [*args.overrides, *sizes]:
         command += ["--set", override]
     return command + (["--federation", federation] if federation else [])
@@ -79,19 +85,20 @@ def finetune(command: list[str], mode: str, output: Path, env: dict[str, str] | 
 
 def run_mode(args, mode: str, devices: int) -> dict[str, object]:
     """Run the recipe one way; its timing and results from the run folder."""
-    output = args.output / mode.replace(" + ", "-")
+    output = args.output / mode.replace(" + ", "-").replace(", ", "-").replace(" ", "-")
     started = time.perf_counter()
     if mode == "simulation":
-        finetune(finetune_command(args, output, None), mode, output)
+        finetune(finetune_command(args, output, None, mode), mode, output)
     else:
         with tempfile.TemporaryDirectory(prefix="ondevice-moe-deployment-") as folder:
             federation = LocalFederation(Path(folder))
             try:
                 federation.start_superlink()
                 for device in range(devices):
-                    federation.start_supernode(device, None, warm=mode.endswith("device"))
+                    federation.start_supernode(device, None, warm=mode.startswith(DEVICE))
                 federation.connection_config(Path(folder) / "cli", CONNECTION)
-                finetune(finetune_command(args, output, CONNECTION), mode, output, environment(Path(folder) / "cli"))
+                finetune(finetune_command(args, output, CONNECTION, mode), mode, output,
+                         environment(Path(folder) / "cli"))
             finally:
                 federation.stop()
     wall = time.perf_counter() - started

@@ -119,6 +119,17 @@ def test_live_tensor_peak_ignores_the_symbolic_fake_tensors_torch_compile_leaves
     del made, fake
 
 
+def test_the_deployment_benchmarks_evaluation_apart_mode_turns_riding_off_and_only_there(monkeypatch, tmp_path):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import deployment_rounds
+
+    args = deployment_rounds.options(["--rounds", "2"])
+    apart = deployment_rounds.finetune_command(args, tmp_path, "fleet", deployment_rounds.APART)
+    riding = deployment_rounds.finetune_command(args, tmp_path, "fleet", deployment_rounds.DEVICE)
+    at = apart.index("federation.evaluation_rides=false")
+    assert apart[at - 1] == "--set" and apart[:at - 1] + apart[at + 1:] == riding
+
+
 def test_benchmarks_refuse_cuda_without_a_gpu(benchmarks, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     for script in benchmarks.values():
