@@ -23,7 +23,9 @@ is sent and what is kept:
   (:mod:`ondevice_moe.server_rules.transport`); an upload is checked as it travelled,
   then decoded, and the rule aggregates decoded values. Byte counts are of what travelled.
 * **Evaluation** every ``eval_every`` rounds and after the last one, on every
-  device; the last one also has the devices write their checkpoints.
+  device; the last one also has the devices write their checkpoints. On real devices a round's
+  evaluation rides on the next round's training messages where it can
+  (:mod:`~ondevice_moe.federation.riding`).
 * **Timing**: each reply carries its handler's own time and worker process; a ``round``
   record per round holds the round's wall time, the share of it no handler explains and the
   time the slowest device's messages spent on the wire (:meth:`SlotStrategy._log_round`).
@@ -512,7 +514,8 @@ class SlotStrategy(Strategy):
 
     def _log_round(self, server_round: int) -> None:
         """The round's ``round`` record: its wall time (the server sending the first train message to the
-        last evaluation reply read), the slowest client's train + evaluate time, the busiest worker's
+        last reply read: training, its own evaluation's, or, where the previous round's evaluation rode on
+        its messages, that evaluation's too), the slowest client's train + evaluate time, the busiest worker's
         (the handlers one worker process ran, in turn) and the overhead: the share of the wall time
         that is neither, ``(wall_s - busiest_worker_s) / wall_s``. Where every client has its own
         worker, the busiest worker's time is the slowest client's. ``base_loads``: the most base-model
