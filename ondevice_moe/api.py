@@ -179,9 +179,20 @@ def finetune(
     loaded = load_recipe(recipe, texts, seed, trust_plugins=trust_plugins)
     if federation is not None:
         _warn_if_insecure(federation)
+    else:
+        _warn_if_slow_bfloat16(loaded)
     result = run_recipe(loaded, Path(output) if output is not None else None, on_method, on_round, federation,
                         overwrite)
     return FinetuneResult(result.run_dir.resolve(), loaded, result.summary, result.report.resolve())
+
+
+def _warn_if_slow_bfloat16(recipe: Recipe) -> None:
+    """Warn when the recipe's bfloat16 base would run on a CPU that emulates bfloat16."""
+    from ondevice_moe.models.devices import slow_bfloat16
+
+    why = slow_bfloat16(recipe.model.dtype, recipe.model.device)
+    if why:
+        warnings.warn(why, UserWarning, stacklevel=3)
 
 
 def _warn_if_insecure(federation: str) -> None:

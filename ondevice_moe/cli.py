@@ -96,6 +96,7 @@ def finetune(
 ) -> None:
     """Fine-tune every method of a recipe through Flower and write the report."""
     from ondevice_moe.federation.job import Job
+    from ondevice_moe.models.devices import slow_bfloat16
     from ondevice_moe.recipe import load_recipe
     from ondevice_moe.run_folder import RunFolder
     from ondevice_moe.runner import run_recipe
@@ -138,6 +139,8 @@ def finetune(
 
             if federation is not None:
                 _warn_if_insecure(federation)
+            elif why := slow_bfloat16(loaded.model.dtype, loaded.model.device):
+                console.print(f"[bold yellow]warning:[/] {escape(why)}")
             result = run_recipe(loaded, output, on_method, on_round, federation, overwrite, bound)
     except UserError as error:
         _fail(error)

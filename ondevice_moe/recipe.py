@@ -52,7 +52,9 @@ class _Section(BaseModel):
 
 
 class ModelSection(_Section):
-    """The frozen base model. ``device``: ``auto`` picks CUDA when present, else CPU.
+    """The frozen base model. ``device``: ``auto`` picks CUDA when present, else CPU. ``dtype``:
+    ``float32``, ``bfloat16``, ``float16``, or ``auto`` (bfloat16 where the device computes it natively,
+    else float32: an AVX2 CPU emulates bfloat16 at about 100 times float32's cost).
     ``bias: false`` drops every layer's bias from a small model (FedSoft App. C: linear
     regression "without the intercept term"). ``activation_checkpointing: true`` replays each
     block in the backward pass instead of keeping its activations (transformers models;
@@ -64,6 +66,17 @@ class ModelSection(_Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     bias: bool = True
     activation_checkpointing: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _auto_dtype(cls, data: Any) -> Any:
+        """``dtype: auto``: bfloat16 where the model's device computes it natively, else float32
+        (:func:`~ondevice_moe.models.devices.preferred_dtype`), decided where the recipe is loaded."""
+        if isinstance(data, dict) and data.get("dtype") == "auto":
+            from ondevice_moe.models.devices import preferred_dtype
+
+            data = {**data, "dtype": preferred_dtype(str(data.get("device", "auto")))}
+        return data
 
     @model_validator(mode="after")
     def _bias_of_small_models_only(self) -> ModelSection:

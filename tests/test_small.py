@@ -259,6 +259,26 @@ def test_cnn_needs_images():
 # ---------------------------------------------------------------- devices
 
 
+def test_a_bfloat16_base_on_a_cpu_that_emulates_bfloat16_is_named_with_its_fix(monkeypatch):
+    from ondevice_moe import api
+    from ondevice_moe.models import devices
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(devices, "native_bfloat16_cpu", lambda: False)
+    assert "model.dtype=float32" in devices.slow_bfloat16("bfloat16", "auto")
+    assert devices.slow_bfloat16("float32", "cpu") is None
+    recipe = api.load_recipe("quickstart", {"model.dtype": "bfloat16"})
+    with pytest.warns(UserWarning, match="no native bfloat16"):
+        api._warn_if_slow_bfloat16(recipe)
+    assert api.load_recipe("quickstart").model.dtype == "float32"  # `dtype: auto` on this CPU
+    monkeypatch.setattr(devices, "native_bfloat16_cpu", lambda: True)
+    assert devices.slow_bfloat16("bfloat16", "cpu") is None
+    assert api.load_recipe("quickstart").model.dtype == "bfloat16"
+    monkeypatch.setattr(devices, "native_bfloat16_cpu", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert devices.slow_bfloat16("bfloat16", "auto") is None  # on the GPU
+
+
 def test_resolve_device(monkeypatch):
     assert resolve_device("cpu") == torch.device("cpu")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
