@@ -107,7 +107,8 @@ def test_peft_only_writes_adapters_and_the_card(tiny_run, tmp_path):
 
 def test_fedavgs_export_loads_by_itself_and_scores_the_runs_perplexity(tiny_run, tmp_path, saved_tiny_models):
     """FedAvg is one LoRA per targeted module: AutoPeftModelForCausalLM, finding the base by the name the
-    export wrote (here a local folder), gives the user's test perplexity of the run to 4 decimals."""
+    export wrote (here a local folder), gives the user's test perplexity of the run to float tolerance (PEFT
+    adds its LoRA product in its own order, so the last digits may differ by machine)."""
     from peft import AutoPeftModelForCausalLM
 
     from ondevice_moe.federation import device as dev
@@ -123,7 +124,7 @@ def test_fedavgs_export_loads_by_itself_and_scores_the_runs_perplexity(tiny_run,
     perplexity = score_blocks(loaded, dev.eval_examples(job, 1), 8).perplexity()
     logged = [r for r in MetricsLog(tiny_run / "metrics.jsonl").read()
               if r["kind"] == "eval" and r["method"] == "fedavg" and r["user"] == "news"][-1]
-    assert round(perplexity, 4) == round(logged["test_ppl_in"], 4)
+    assert perplexity == pytest.approx(logged["test_ppl_in"], rel=1e-5)
 
 
 def test_force_never_touches_a_folder_no_export_wrote(tiny_run, tmp_path):

@@ -160,7 +160,7 @@ def test_stacked_lora_codes_equal_each_experts_codes(dtype):
     experts = list(zip(loras, gates, strict=True))
     plain, fused = add_gated(out, x, experts), add_gated(out, x, experts, fused=True)
     assert fused.dtype == plain.dtype == dtype
-    torch.testing.assert_close(fused, plain, rtol=0, atol=0)
+    torch.testing.assert_close(fused, plain)  # the dtype's float tolerance: one stacked product sums in its own order
 
 
 def test_adapters_added_from_two_products_equal_adapters_added_one_by_one():
