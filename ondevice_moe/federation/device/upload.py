@@ -43,8 +43,9 @@ def upload_reference(job: Job, device: int) -> dict[str, torch.Tensor]:
     as empty tensors on the meta device: what the server checks an update against. Built on the
     base's structure (:func:`job_base_structure`): the server reads no weights and needs no accelerator."""
     model = build_model(job, device, base=job_base_structure(job))
+    leaving = travelling(job.method, model)
     one = {name: torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
-           for name, tensor in trainable_state(model).items() if name in travelling(job.method, model)}
+           for name, tensor in trainable_state(model).items() if name in leaving}
     return job.method.procedure.upload_reference(one)
 
 
