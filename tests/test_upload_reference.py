@@ -92,3 +92,15 @@ def test_a_model_folder_without_a_config_is_one_clear_message(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"not a model")
     with pytest.raises(UserError, match=r"cannot read the config of model .*config\.json"):
         registry.load_base_structure(str(tmp_path))
+
+
+def test_the_reference_asks_for_the_models_roles_once_however_many_tensors_travel(saved_tiny_models, monkeypatch):
+    """Every parameter's role is one pass over the model; asked once per travelling tensor (as it was
+    before ``a80cdf1``) it made the server's first-round check quadratic: 20 s on SmolLM2's 420 LoRA tensors."""
+    from ondevice_moe.methods.base import Method
+
+    job = _job(saved_tiny_models["tiny-llama"], "fedavg", classification=False)
+    calls, roles = [], Method.roles
+    monkeypatch.setattr(Method, "roles", lambda self, model: calls.append(1) or roles(self, model))
+    reference = dev.upload_reference(job, 0)
+    assert len(reference) > 2 and len(calls) == 1
