@@ -54,6 +54,7 @@ from scipy import stats
 
 from ondevice_moe.errors import UserError
 from ondevice_moe.methods.registry import reporters
+from ondevice_moe.metrics import LOWER_IS_BETTER
 from ondevice_moe.report import DIVERGED, CorruptLog, MetricsLog, format_bytes, summarize
 from ondevice_moe.report.across_runs import common_methods, is_number, number, spread
 
@@ -324,13 +325,22 @@ def unit_note(summaries: list[dict[str, Any]]) -> str:
     return note
 
 
+def _gap_unit(summaries: list[dict[str, Any]]) -> str:
+    """What a gap is measured in: percent of perplexity, points of a score scaled ×100 (accuracy, F1,
+    ...), or the error itself (MSE), which the evaluation leaves unscaled."""
+    if "score" not in _value_keys(summaries):
+        return "%"
+    metric = summaries[0].get("metric", "")
+    return f" {metric.upper()}" if metric in LOWER_IS_BETTER else " points"
+
+
 def paired_table(summaries: list[dict[str, Any]], reference: str) -> str:
     """Every other method against ``reference``, per value: the seed-level paired gap, the runs, both
     tests and the verdict, and the (run, user) pairs as description."""
     if reference not in common_methods(summaries):
         raise UserError(f"method '{reference}' is not in every run",
                         f"use one of {', '.join(common_methods(summaries))}")
-    unit = " points" if "score" in _value_keys(summaries) else "%"
+    unit = _gap_unit(summaries)
     header = ["method", "value", f"mean Δ{unit} vs {reference} (s.e.), over runs", "runs", "paired t p",
               "Wilcoxon p", "gap larger than noise", "(run, user) pairs: mean Δ (s.e.), n"]
     lines = [unit_note(summaries), "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]

@@ -298,3 +298,19 @@ def test_a_damaged_or_missing_log_is_one_clear_error_per_round_only(tmp_path, lo
     result = CliRunner().invoke(app, ["compare", str(run), "--per-round"])
     assert result.exit_code == 2 and problem in " ".join(result.output.split()), result.output
     assert "fix:" in result.output and "Traceback" not in result.output
+
+
+@pytest.mark.parametrize(("metric", "unit"), [("accuracy", "Δ points"), ("mse", "Δ MSE"), ("perplexity", "Δ%")])
+def test_the_gap_names_its_unit_points_for_scaled_scores_the_error_itself_for_mse(metric, unit):
+    """Accuracy and the other scores are scaled ×100, so their gaps are points; an MSE is left as it is,
+    so its gap is an MSE (FLoRAL's synthetic tasks); perplexities are compared in percent."""
+    def entry(value: float) -> dict:
+        key = "in" if metric == "perplexity" else "score"
+        values = {u: {key: value + i, **({"out": value} if key == "in" else {})} for i, u in enumerate(USERS)}
+        means = {"mean_in": value, "mean_out": value} if key == "in" else {"mean_score": value}
+        return {"per_user": values, **means, "upload_bytes_per_round": 0.0}
+
+    summaries = [{"users": USERS, "metric": metric, "methods": {"a": entry(2.0 + seed), "b": entry(1.0 + seed)}}
+                 for seed in range(3)]
+    header = next(line for line in compare.paired_table(summaries, "a").splitlines() if line.startswith("| method"))
+    assert f"mean {unit} vs a (s.e.)" in header
