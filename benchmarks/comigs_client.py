@@ -10,6 +10,7 @@
 Usage:
     python benchmarks/comigs_client.py [--model smollm2-135m] [--dtype float32|bfloat16]
         [--device auto|cpu|cuda] [--batch 4] [--context 128] [--steps 5] [--threads N] [--compile] [--fused]
+        [--profile]
 
 Prints a table, then (last line) the figures as one JSON object.
 """

@@ -21,7 +21,9 @@ copy of the base), their first step (which compiles) timed apart, and prints
 the compiled step times and ratios beside the eager ones. ``--fused`` adds our
 side again with its expert sites fused (``training.fused_experts``,
 ``ondevice_moe/layout/fused.py``): its step time and peak memory beside the
-peer's and beside our unfused side's.
+peer's and beside our unfused side's. ``--profile`` profiles one more step of each
+side with ``torch.profiler`` and prints, per operator, the self time of each side
+and our side's excess over the peer's, largest first: where the gap goes.
 """
 
 from __future__ import annotations
@@ -75,6 +77,8 @@ def parser(description: str, default_model: str = "smollm2-135m") -> argparse.Ar
                          help="also time both sides under torch.compile (each on its own copy of the base)")
     options.add_argument("--fused", action="store_true",
                          help="also time our side with its experts fused (training.fused_experts)")
+    options.add_argument("--profile", action="store_true",
+                         help="also profile one step of each side: self time per operator, side by side")
     options.add_argument("--measure-memory", metavar="KIND", help=argparse.SUPPRESS)
     return options
 
@@ -243,6 +247,33 @@ def print_fused(peer: str, ours: str, times: dict[str, float], memory: dict[str,
     return ratios
 
 
+def operator_self_ms(step: Step, device: torch.device) -> dict[str, float]:
+    """Self time of each operator over one ``step``, in ms: CPU time on the CPU, kernel time on CUDA."""
+    from torch.profiler import ProfilerActivity, profile
+
+    on_cuda = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if on_cuda else [])]) as profiler:
+        step()
+        if on_cuda:
+            torch.cuda.synchronize(device)
+    field = "self_device_time_total" if on_cuda else "self_cpu_time_total"
+    return {event.key: getattr(event, field) / 1e3 for event in profiler.key_averages() if getattr(event, field) > 0}
+
+
+def print_profiles(peer: str, ours: str, profiles: dict[str, dict[str, float]], top: int = 12
+                   ) -> dict[str, dict[str, float]]:
+    """Print the ``top`` operators by our side's excess self time over the peer's, then the totals;
+    return the profiles."""
+    operators = set(profiles[peer]) | set(profiles[ours])
+    excess = {op: profiles[ours].get(op, 0.0) - profiles[peer].get(op, 0.0) for op in operators}
+    print(f"{'one step, self time (ms)':44}{peer:>14}{ours:>14}{'excess':>10}")
+    for op in sorted(operators, key=lambda name: -excess[name])[:top]:
+        print(f"{op[:44]:44}{profiles[peer].get(op, 0.0):14.1f}{profiles[ours].get(op, 0.0):14.1f}{excess[op]:10.1f}")
+    totals = {name: sum(profile.values()) for name, profile in profiles.items()}
+    print(f"{'all operators':44}{totals[peer]:14.1f}{totals[ours]:14.1f}{totals[ours] - totals[peer]:10.1f}")
+    return profiles
+
+
 def compiled_sides(configurations: dict[str, Configuration], build_on_fresh_model: Callable[[str], Configuration],
                    kinds: Sequence[str], device: torch.device) -> dict[str, float]:
     """Add each of ``kinds`` again, built on a freshly loaded base and its model under ``torch.compile``
@@ -304,8 +335,11 @@ def compare(description: str, script: str, build: Build, peer: str, ours: str, a
     ratios = print_comparison(peer, ours, times, memory, params)
     compiled = {**print_compiled(peer, ours, times, compile_s), "compile_s": compile_s} if compile_s else {}
     fused = print_fused(peer, ours, times, memory) if args.fused else {}
+    profiles = {"profile_ms": print_profiles(peer, ours, {name: operator_self_ms(configurations[name].step, device)
+                                                          for name in (peer, ours)})} if args.profile else {}
     figures = {"model": args.model, "dtype": args.dtype, "device": device.type, "batch": args.batch,
                "context": args.context, "steps": args.steps, "threads": torch.get_num_threads(),
-               "step_s": times, "memory_mib": memory, "adapter_params": params, **ratios, **compiled, **fused, **extra}
+               "step_s": times, "memory_mib": memory, "adapter_params": params,
+               **ratios, **compiled, **fused, **profiles, **extra}
     print(json.dumps(figures))
     return figures

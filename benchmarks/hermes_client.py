@@ -9,6 +9,7 @@ the Hermes LoRA expert alone), on the same base model and the same batch
 Usage:
     python benchmarks/hermes_client.py [--model smollm2-135m] [--dtype float32|bfloat16]
         [--device auto|cpu|cuda] [--batch 4] [--context 128] [--steps 5] [--threads N] [--compile] [--fused]
+        [--profile]
 
 Prints a table, then (last line) the figures as one JSON object.
 """

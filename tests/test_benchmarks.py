@@ -37,8 +37,8 @@ def _assert_side_by_side(figures: dict, peer: str, ours: str, *more: str) -> Non
         assert math.isfinite(figures[ratio]) and figures[ratio] > 0
 
 
-def test_comigs_benchmark_runs_one_step_on_tiny_llama_eager_and_compiled(benchmarks, capsys):
-    figures = benchmarks["comigs"].main(["--model", "tiny-llama", "--compile", *TINY_RUN])
+def test_comigs_benchmark_runs_one_step_on_tiny_llama_eager_compiled_and_profiled(benchmarks, capsys):
+    figures = benchmarks["comigs"].main(["--model", "tiny-llama", "--compile", "--profile", *TINY_RUN])
     _assert_side_by_side(figures, "peft-lora", "comigs-1G1S")
     params = figures["adapter_params"]
     assert params["peft-lora"] == params["comigs-1G1S"] > 0  # same active adapter parameters
@@ -51,6 +51,13 @@ def test_comigs_benchmark_runs_one_step_on_tiny_llama_eager_and_compiled(benchma
         assert math.isfinite(figures[ratio]) and figures[ratio] > 0
     printed = capsys.readouterr().out
     assert "step time (s)" in printed and "first step, compiling (s)" in printed
+    profiles = figures["profile_ms"]
+    assert set(profiles) == {"peft-lora", "comigs-1G1S"}
+    for profile in profiles.values():  # both sides' matrix products, timed
+        assert profile["aten::mm"] > 0 and all(ms > 0 for ms in profile.values())
+    assert "one step, self time (ms)" in printed
+    totals = printed.split("all operators")[1].split()[:3]  # peer, ours, our excess
+    assert float(totals[2]) == pytest.approx(float(totals[1]) - float(totals[0]), abs=0.11)
 
 
 def test_hermes_benchmark_runs_one_step_on_tiny_gpt2_unfused_and_fused(benchmarks):
