@@ -30,7 +30,8 @@ demo: setup
 
 # Two workers, a test file each at a time: most of a test's wall time is Ray, Flower and
 # SuperNode processes starting and waiting, which the other worker fills; the longest files go first
-# (tests/conftest.py: LONGEST_FILES), so both workers end together (about 19 min on 2 idle cores); the 40 slowest tests are listed at the end.
+# (tests/conftest.py: LONGEST_FILES), so both workers end together (about 24-26 min on 2 idle cores, CPU-bound:
+# docs/architecture.md, "The test suite"); the 40 slowest tests are listed at the end.
 test: setup
 	$(BIN)/pytest -q -m "" -n 2 --dist loadfile --no-loadscope-reorder --durations=40 tests
 
