@@ -5,7 +5,8 @@ the devices in Ray's workers, so an interrupt raised in the main thread used to 
 went on to its last round. Instead, while :func:`stopping_on_signals` holds, the first signal only
 *requests* a stop; the server's round loop asks :func:`requested` after each completed round and ends
 the run there (:class:`Stopped`), so every file the round wrote is whole. A second signal stops at
-once: every file is written atomically, so even then a rerun finds a consistent folder.
+once, with every process the run started (Ray's): every file is written atomically, so even then a
+rerun finds a consistent folder.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import threading
 from collections.abc import Callable, Iterator
 
 from ondevice_moe.errors import UserError
+from ondevice_moe.process_tree import kill_descendants
 
 _requested = threading.Event()
 INTERRUPTED_EXIT = 130  # the shell's code for "ended by SIGINT"
@@ -53,6 +55,7 @@ def stopping_on_signals(say: Callable[[str], None]) -> Iterator[None]:
     def on_signal(number: int, _frame: object) -> None:
         if _requested.is_set():
             say("stopped now; run the same command again to resume")
+            kill_descendants(os.getpid())  # Ray's processes, which would outlive an os._exit as orphans
             os._exit(INTERRUPTED_EXIT)
         _requested.set()
         say(f"{signal.Signals(number).name}: stopping once this round is complete "

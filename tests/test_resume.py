@@ -1,6 +1,7 @@
 """Honest resume: a run killed at any point and rerun ends as if never interrupted;
 run folders that cannot be used end in one clear UserError."""
 
+import contextlib
 import json
 import os
 import signal
@@ -100,6 +101,48 @@ def test_ctrl_c_stops_the_run_after_the_round_in_progress_and_says_how_to_resume
     assert f"stopped on request during 'fedavg' after round {last}" in seen and last < 1000
     assert "run the same command again to resume" in seen and "Traceback" not in seen
     assert MetricsLog(output / "metrics.jsonl").finished() == {"pretrained"} and (output / "report.md").is_file()
+
+
+def _session_members(session: int) -> list[int]:
+    """The live (not zombie) processes of a session, read from /proc."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == session and fields[0] != "Z":
+            members.append(int(stat.parent.name))
+    return members
+
+
+@pytest.mark.slow
+def test_a_second_ctrl_c_stops_at_once_and_leaves_no_ray_process_behind(tmp_path):
+    raw = yaml.safe_load(TINY.read_text())
+    raw["methods"], raw["federation"]["rounds"] = ["pretrained", "fedavg"], 1000
+    recipe = tmp_path / "long.yaml"
+    recipe.write_text(yaml.safe_dump(raw))
+    output = tmp_path / "run"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "FLWR_TELEMETRY_ENABLED": "0", "COLUMNS": "300"}
+    process = subprocess.Popen([str(CLI), "finetune", str(recipe), "--output", str(output)], cwd=ROOT, env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        while process.poll() is None and not ((output / "metrics.jsonl").exists()
+                                              and (output / "metrics.jsonl").read_text().count("\n") >= 1):
+            time.sleep(0.1)
+        assert len(_session_members(process.pid)) > 1, "Ray's processes run beside the CLI"
+        for _ in range(2):  # as `kill -INT PID` twice: to the CLI alone, not to its process group
+            process.send_signal(signal.SIGINT)
+            time.sleep(0.5)
+        seen, _ = process.communicate(timeout=60)
+        assert process.returncode == 130 and "stopped now" in seen, seen
+        deadline = time.monotonic() + 10
+        while _session_members(process.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _session_members(process.pid) == [], "a process the run started outlived it"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
 
 
 def test_a_killed_runs_children_do_not_hold_its_folder(tmp_path):

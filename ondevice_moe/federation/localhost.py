@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ondevice_moe.federation.server_runs import RUNS_ENV
+from ondevice_moe.process_tree import descendants, kill_descendants
 
 BIN = Path(sys.executable).parent
 
@@ -164,9 +165,7 @@ class LocalFederation:
     def kill(self, process: Process) -> None:
         """SIGKILL a process and every process it started (the SuperLink's SuperExec and ServerApps run in
         sessions of their own): as when its machine goes down."""
-        for pid in descendants(process.popen.pid):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        kill_descendants(process.popen.pid)
         _kill_group(process.popen, signal.SIGKILL)
         process.popen.wait(10)
 
@@ -202,21 +201,6 @@ class LocalFederation:
                     return
             time.sleep(0.2)
         raise RuntimeError(f"the SuperLink did not open port {self.port} within {timeout:g}s")
-
-
-def descendants(pid: int) -> list[int]:
-    """Every live process below ``pid`` (its children, theirs, ...), read from ``/proc`` (Linux)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, frontier = [], [pid]
-    while frontier:
-        below = children.get(frontier.pop(), [])
-        found += below
-        frontier += below
-    return found
 
 
 def _kill_group(popen: subprocess.Popen, sig: int) -> None:
