@@ -77,16 +77,23 @@ def test_killed_runs_resume_to_the_same_summary(tmp_path):
     assert (resumed / "checkpoints" / "fedavg" / "device_2.safetensors").exists()
 
 
-@pytest.mark.slow
-def test_ctrl_c_stops_the_run_after_the_round_in_progress_and_says_how_to_resume(tmp_path):
+def start_long_run(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
+    """The CLI on the tiny recipe's pretrained and FedAvg with far more rounds than a test waits for, in a
+    session of its own, its output piped; returns the process and its run folder."""
     raw = yaml.safe_load(TINY.read_text())
-    raw["methods"], raw["federation"]["rounds"] = ["pretrained", "fedavg"], 1000  # far more than it will get to
+    raw["methods"], raw["federation"]["rounds"] = ["pretrained", "fedavg"], 1000
     recipe = tmp_path / "long.yaml"
     recipe.write_text(yaml.safe_dump(raw))
     output = tmp_path / "run"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "FLWR_TELEMETRY_ENABLED": "0", "COLUMNS": "300"}
     process = subprocess.Popen([str(CLI), "finetune", str(recipe), "--output", str(output)], cwd=ROOT, env=env,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    return process, output
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_the_run_after_the_round_in_progress_and_says_how_to_resume(tmp_path):
+    process, output = start_long_run(tmp_path)
     rounds = []
     while len(rounds) < 2 and process.poll() is None:
         time.sleep(0.1)
@@ -118,14 +125,7 @@ def _session_members(session: int) -> list[int]:
 
 @pytest.mark.slow
 def test_a_second_ctrl_c_stops_at_once_and_leaves_no_ray_process_behind(tmp_path):
-    raw = yaml.safe_load(TINY.read_text())
-    raw["methods"], raw["federation"]["rounds"] = ["pretrained", "fedavg"], 1000
-    recipe = tmp_path / "long.yaml"
-    recipe.write_text(yaml.safe_dump(raw))
-    output = tmp_path / "run"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "FLWR_TELEMETRY_ENABLED": "0", "COLUMNS": "300"}
-    process = subprocess.Popen([str(CLI), "finetune", str(recipe), "--output", str(output)], cwd=ROOT, env=env,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    process, output = start_long_run(tmp_path)
     try:
         while process.poll() is None and not ((output / "metrics.jsonl").exists()
                                               and (output / "metrics.jsonl").read_text().count("\n") >= 1):
