@@ -252,15 +252,20 @@ def _resolved(recipe: Recipe) -> str:
 def _same_recipe(existing: str, recipe: Recipe) -> bool:
     """Whether the ``recipe.yaml`` a folder's run started with is ``recipe``: the same text or, written by
     an earlier version of the toolkit, the same once the keys added since take their defaults (which
-    keep what that version did). A file this version cannot read as a recipe is another recipe."""
-    resolved = _resolved(recipe)
-    if existing == resolved:
-        return True
+    keep what that version did). The ``description`` is documentation, not part of the run: a recipe
+    whose description was edited since resumes its runs. A file this version cannot read as a recipe is
+    another recipe."""
+    resolved = _resolved(_undescribed(recipe))
     try:
         raw = yaml.safe_load(existing)
-        return isinstance(raw, dict) and _resolved(validate_recipe(raw)) == resolved
+        return isinstance(raw, dict) and _resolved(_undescribed(validate_recipe(raw))) == resolved
     except (yaml.YAMLError, UserError):
         return False
+
+
+def _undescribed(recipe: Recipe) -> Recipe:
+    """``recipe`` without its description, the one key that changes nothing a run computes."""
+    return recipe.model_copy(update={"description": ""})
 
 
 def eval_split(recipe: Recipe) -> str:

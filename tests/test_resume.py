@@ -245,6 +245,18 @@ def test_a_folder_where_nothing_ran_takes_the_corrected_recipe(tmp_path):
         RunFolder(recipe, run_dir).prepare()
 
 
+def test_a_run_resumes_after_its_recipes_description_was_edited(tmp_path):
+    """The description documents a run and changes nothing it computes: editing it (a wall time added,
+    say) keeps the folder's finished methods; any other edit is another recipe."""
+    recipe = load_recipe(TINY)
+    run_dir = RunFolder(recipe, tmp_path / "run").prepare()
+    MetricsLog(run_dir / "metrics.jsonl").write({"method": "pretrained", "kind": "done", "rounds": 0})
+    redescribed = recipe.model_copy(update={"description": recipe.description + " Takes 2 min on 2 cores."})
+    assert RunFolder(redescribed, run_dir).kept() == {"pretrained"}
+    with pytest.raises(UserError, match="different recipe"):
+        RunFolder(redescribed.model_copy(update={"name": recipe.name + "-renamed"}), run_dir).kept()
+
+
 def test_a_run_folder_of_an_earlier_version_resumes_when_only_keys_added_since_differ(tmp_path):
     """A run started before a key existed wrote no such key: with the key at its default it is the same
     run, and resumes; a value that differs is another recipe still, and so is a file that is no recipe."""
