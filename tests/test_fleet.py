@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -399,9 +400,10 @@ def test_a_paced_supernode_waits_at_most_its_poll_and_runs_flowers_own_loop():
     slept = []
     clock = type("Clock", (), {"sleep": staticmethod(slept.append), "monotonic": staticmethod(lambda: 7)})
     paced = PacedTime(0.5, real=clock())
-    paced.sleep(3)
-    paced.sleep(0.2)
-    assert slept == [0.5, 0.2] and paced.monotonic() == 7
+    paced.sleep(3)  # before asking the SuperLink again: the poll
+    paced.sleep(0.5)  # on its own memory (a reply, a reply's bytes): milliseconds
+    paced.sleep(0.01)
+    assert slept == [0.5, 0.02, 0.01] and paced.monotonic() == 7
     original = start_client_internal.time
     try:
         pace(0.25)
@@ -410,6 +412,54 @@ def test_a_paced_supernode_waits_at_most_its_poll_and_runs_flowers_own_loop():
         start_client_internal.time = original
     command = supernode_command("10.0.0.1:9093", "partition-id=0", 9094, None, None, 0.5)
     assert command[1:4] == ["-m", "ondevice_moe.federation.supernode_pace", "0.5"] and "--insecure" in command
+
+
+def test_prompt_pulls_ask_again_after_milliseconds_where_flower_waits_a_second_then_two():
+    """An object not stored yet is asked for again after 20 ms, then 40: three tries take well under
+    Flower's first two waits (0.8-1.2 s, then 1.6-2.4 s)."""
+    from flwr.supercore.inflatable import inflatable_utils
+    from flwr.supercore.inflatable.inflatable_utils import ObjectUnavailableError
+
+    from ondevice_moe.federation.prompt_pulls import FIRST_RETRY_S, prompt
+
+    module = types.ModuleType("a_flower_module")
+    module.pull_objects = inflatable_utils.pull_objects
+    prompt(module)
+    prompt(module)  # a second call changes nothing
+    assert module.pull_objects.func is inflatable_utils.pull_objects
+    assert module.pull_objects.keywords == {"initial_backoff": FIRST_RETRY_S}
+    tries = []
+
+    def pull(object_id: str) -> bytes:
+        tries.append(object_id)
+        if len(tries) < 3:
+            raise ObjectUnavailableError(object_id)
+        return b"content"
+
+    started = time.monotonic()
+    assert module.pull_objects(["an-object"], pull_object_fn=pull) == {"an-object": b"content"}
+    assert len(tries) == 3 and time.monotonic() - started < 1.5
+    with pytest.raises(RuntimeError, match="does not know"):
+        prompt(types.ModuleType("pulls_nothing"))
+
+
+def test_the_server_supernode_and_device_pull_promptly():
+    from flwr.superlink.grid import http_grid
+    from flwr.supernode import start_client_internal
+    from flwr.supernode.runtime import run_clientapp
+
+    from ondevice_moe.federation.prompt_pulls import FIRST_RETRY_S, prompt_device, prompt_server, prompt_supernode
+
+    originals = (http_grid.pull_objects, start_client_internal.pull_objects,
+                 run_clientapp.pull_and_inflate_object_from_tree)
+    try:
+        prompt_server(), prompt_supernode(), prompt_device()
+        for pull in (http_grid.pull_objects, start_client_internal.pull_objects,
+                     run_clientapp.pull_and_inflate_object_from_tree):
+            assert pull.keywords == {"initial_backoff": FIRST_RETRY_S}
+    finally:
+        (http_grid.pull_objects, start_client_internal.pull_objects,
+         run_clientapp.pull_and_inflate_object_from_tree) = originals
 
 
 def test_a_device_keeps_its_last_two_rounds_and_forgets_another_runs_state(tmp_path):

@@ -36,6 +36,7 @@ from logging import ERROR, INFO, WARNING
 from pathlib import Path
 
 from ondevice_moe.errors import UserError
+from ondevice_moe.federation.prompt_pulls import prompt_device
 
 CLIENT_APP = "ondevice_moe.federation.client_app:app"
 POLL_SECONDS = 0.2
@@ -53,6 +54,7 @@ def serve(runtime_api: str, root_certificates: Path | None = None,
 
     certificates = _certificates(runtime_api, root_certificates)
     executor = _runtime_client(runtime_api, certificates, token=None)
+    prompt_device()
     log(INFO, "ondevice-moe device: taking ClientApp tasks from the SuperNode at %s", runtime_api)
     while keep_going():
         try:

@@ -35,6 +35,7 @@ from ondevice_moe.federation.device_state import clear_state_folder
 from ondevice_moe.federation.handshake import connect
 from ondevice_moe.federation.job import Job, jobs_from_context
 from ondevice_moe.federation.log_channel import Channel
+from ondevice_moe.federation.prompt_pulls import prompt_server
 from ondevice_moe.federation.round_state import forget_rounds, load_round, save_round
 from ondevice_moe.federation.server_runs import RunBusy, RunIdentity, server_lock
 from ondevice_moe.federation.slots import SlotKeeper
@@ -57,6 +58,7 @@ method_hook: Callable[[Job], None] | None = None
 def main(grid: Grid, context: Context) -> None:
     jobs = jobs_from_context(context)
     if jobs[0].submitted:  # `flwr run`, not the runner
+        prompt_server()
         run_submitted(grid, context, jobs)
         return
     devices = max(len(job.method.layouts) for job in jobs)

@@ -3,14 +3,14 @@
 Flower makes every array of a message's ``ArrayRecord`` its own objects (the array and its
 chunks of up to 5 MB), and on real devices moves each object with an HTTP request of its own,
 through the SuperLink's object store; a reply whose objects are not all uploaded yet is retried
-object by object after 1, 2, 4, 8 and 10 s. The shared experts of a SmolLM2 FedAvg device are
-600 tensors: 1,204 objects per message, and pulling one reply took the ServerApp 3.7–6 s with
-every object in place (27.8 s when 7 were not yet there), a SuperNode 19–21 s for an evaluation
-message (docs/deployment.md, "Measured"). Packed, a message is the index (names, dtypes and
-shapes, as JSON) and one buffer of every tensor's bytes back to back: a handful of objects. The
-tensors lie in the buffer by element size, largest first, so each starts at a multiple of its own
-element size and unpacks as a view of the buffer, without a copy (a whole model's upload is
-hundreds of MB).
+object by object after 1, 2, 4, 8 and 10 s (sooner since :mod:`~ondevice_moe.federation.prompt_pulls`).
+The shared experts of a SmolLM2 FedAvg device are 600 tensors: 1,204 objects per message, and
+pulling one reply took the ServerApp 3.7–6 s with every object in place (27.8 s when 7 were not
+yet there), a SuperNode 19–21 s for an evaluation message (docs/deployment.md, "Measured").
+Packed, a message is the index (names, dtypes and shapes, as JSON) and one buffer of every
+tensor's bytes back to back: a handful of objects. The tensors lie in the buffer by element size,
+largest first, so each starts at a multiple of its own element size and unpacks as a view of the
+buffer, without a copy (a whole model's upload is hundreds of MB).
 
 :func:`unpack` takes what a peer sent, so it trusts nothing in it: an index that is not a list of
 ``[name, dtype, shape]`` with known dtypes, whole non-negative sizes and distinct names, laid out
