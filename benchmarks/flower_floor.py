@@ -60,6 +60,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     parser.add_argument("--payload-kib", type=int, default=19, help="the tensor each message carries, both ways")
     args = parser.parse_args(argv)
     os.environ[ROUNDS_KEY], os.environ[PAYLOAD_KEY] = str(args.rounds), str(args.payload_kib)
+    os.environ.pop("RAY_ADDRESS", None)  # Flower's floor as Flower runs it: on a Ray instance of its own
     backend = {"init_args": {"num_cpus": os.cpu_count() or 1, "logging_level": "ERROR", "log_to_driver": False,
                              "include_dashboard": False},
                "client_resources": {"num_cpus": 1, "num_gpus": 0.0}}

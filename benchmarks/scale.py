@@ -47,6 +47,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import simulations
 
+from ondevice_moe.federation.ray_cluster import own_instance_environment
+
 GOAL = 1.2
 METHODS = ["{name: comigs, variant: 1G1S}"]
 
@@ -135,7 +137,7 @@ def measure(command: list[str], interval: float) -> dict[str, object]:
     that moment, summed per-process VmHWM (MiB), wall time."""
     start = time.perf_counter()
     path = os.pathsep.join(p for p in (str(simulations.ROOT), os.environ.get("PYTHONPATH")) if p)
-    child = subprocess.Popen(command, env={**os.environ, "PYTHONPATH": path})
+    child = subprocess.Popen(command, env={**own_instance_environment(), "PYTHONPATH": path})
     peak_pss, at_peak = 0, {}
     hwm: dict[int, int] = {}
     while child.poll() is None:

@@ -47,6 +47,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import simulations
 
 from ondevice_moe.errors import UserError
+from ondevice_moe.federation.ray_cluster import own_instance_environment
 from ondevice_moe.recipe import Recipe, load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,7 +89,8 @@ def plain_arguments(recipe: Recipe) -> list[str]:
 def timed(command: list[str]) -> tuple[float, str]:
     """Seconds ``command`` took, as a fresh process, and its output; a failure stops the benchmark."""
     started = time.perf_counter()
-    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "COLUMNS": "200"})
+    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT,
+                          env={**own_instance_environment(), "COLUMNS": "200"})
     seconds = time.perf_counter() - started
     if done.returncode != 0:
         raise SystemExit(f"{' '.join(command)} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")

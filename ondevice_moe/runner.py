@@ -24,6 +24,7 @@ from ondevice_moe import stop_request
 from ondevice_moe.errors import UserError, failure_line
 from ondevice_moe.federation.job import JOB_ENV, Job
 from ondevice_moe.federation.node import folder_node
+from ondevice_moe.federation.ray_cluster import check_cluster
 from ondevice_moe.methods.registry import reporters
 from ondevice_moe.plan import UserCounts, data_counts
 from ondevice_moe.recipe import Recipe
@@ -69,6 +70,7 @@ def run_recipe(
     kept = folder.kept(overwrite)
     if any(name not in kept for name in folder.method_names()):
         check_inputs(recipe)  # a finished run's rerun writes its report without loading anything
+        check_cluster()
     with folder.held():
         folder.prepare(overwrite)
         return _run_methods(folder, on_method, on_round)
@@ -247,6 +249,7 @@ def _simulate(jobs: list[Job], announce: Callable[[Job], None],
     from flwr.simulation import run_simulation
 
     from ondevice_moe.federation import client_app, server_app
+    from ondevice_moe.federation.ray_cluster import simulation_ray
     from ondevice_moe.federation.window import simulation_cpus
 
     first = jobs[0]
@@ -261,7 +264,7 @@ def _simulate(jobs: list[Job], announce: Callable[[Job], None],
     }
     server_app.progress_hook, server_app.method_hook = on_round, announce
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), simulation_ray():
             warnings.simplefilter("ignore")
             # A device that raises shows up once, as a dropped device with its reason (progress line,
             # report, metrics.jsonl); Flower's own log of the actor's traceback would repeat it.

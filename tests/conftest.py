@@ -11,12 +11,70 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the CLI: waiting threa
 # any such path keeps each one whole, however deep pytest's (or a worker's) tmp folder lies.
 os.environ.setdefault("COLUMNS", "200")
 
+import contextlib
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
 import pytest
 import torch
 
 from ondevice_moe.models.tiny import byte_tokenizer, tiny_gpt2, tiny_llama
 
 VOCAB = 257
+RAY = Path(sys.executable).parent / "ray"
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_ray_cluster():
+    """One Ray cluster per test worker that every simulation joins through ``RAY_ADDRESS``
+    (``ondevice_moe.federation.ray_cluster``) instead of starting and stopping a Ray instance of its
+    own, about 6 s a run; CLI subprocesses inherit the variable. The cluster runs in a session of its
+    own and is stopped by its process group at the end. Tests of Ray's own start (``own_ray``) unset
+    the variable; a caller who set it keeps their cluster."""
+    if os.environ.get("RAY_ADDRESS"):
+        yield os.environ["RAY_ADDRESS"]
+        return
+    port = _free_port()
+    temp = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))  # Ray's socket paths must stay short
+    log = temp / "start.log"
+    with log.open("w") as out:
+        head = subprocess.Popen([str(RAY), "start", "--head", "--block", f"--port={port}",
+                                 f"--num-cpus={os.cpu_count()}", "--include-dashboard=false", "--disable-usage-stats",
+                                 f"--temp-dir={temp}"], stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while "Ray runtime started" not in log.read_text():
+            assert head.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        os.environ["RAY_ADDRESS"] = f"127.0.0.1:{port}"
+        yield os.environ["RAY_ADDRESS"]
+    finally:
+        os.environ.pop("RAY_ADDRESS", None)
+        os.killpg(head.pid, signal.SIGTERM)  # `ray start --block` stops the cluster's processes
+        try:
+            head.wait(timeout=30)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(head.pid, signal.SIGKILL)  # any process of the cluster still there
+            head.wait()
+            shutil.rmtree(temp, ignore_errors=True)
+
+
+@pytest.fixture
+def own_ray(monkeypatch):
+    """The simulation starts and stops its own Ray instance, as it does for a user without ``RAY_ADDRESS``."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
 
 
 @pytest.fixture(params=["gpt2", "llama"])

@@ -32,7 +32,7 @@ def _run(command: str, cwd: Path) -> str:
 
 
 @pytest.mark.slow
-def test_the_readme_quickstart_runs_as_written(tmp_path):
+def test_the_readme_quickstart_runs_as_written(tmp_path, own_ray):
     start, follow_up = _quickstart_blocks()
     assert start == ["export HF_HUB_OFFLINE=1", "ondevice-moe finetune quickstart"]
     _run(start[1], tmp_path)

@@ -124,7 +124,7 @@ def _session_members(session: int) -> list[int]:
 
 
 @pytest.mark.slow
-def test_a_second_ctrl_c_stops_at_once_and_leaves_no_ray_process_behind(tmp_path):
+def test_a_second_ctrl_c_stops_at_once_and_leaves_no_ray_process_behind(tmp_path, own_ray):
     process, output = start_long_run(tmp_path)
     try:
         while process.poll() is None and not ((output / "metrics.jsonl").exists()

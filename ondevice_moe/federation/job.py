@@ -28,6 +28,7 @@ from flwr.app import Context, Message
 from ondevice_moe.distribution import BUNDLED_RECIPES
 from ondevice_moe.errors import UserError
 from ondevice_moe.federation.node import NodeFacts, node_facts
+from ondevice_moe.federation.ray_cluster import enter_run_directory
 from ondevice_moe.federation.server_runs import server_run_dir
 from ondevice_moe.methods.base import Method
 from ondevice_moe.recipe import Recipe, load_recipe, validate_recipe
@@ -158,6 +159,7 @@ def jobs_from_context(context: Context) -> list[Job]:
     if not path:
         raise RuntimeError(f"no job: set run config 'recipe' (flwr run) or ${JOB_ENV} (simulation)")
     if path not in _JOBS:
+        enter_run_directory()
         _JOBS[path] = jobs_from_file(path)
     return _JOBS[path]
 
