@@ -63,12 +63,10 @@ def check_cluster() -> None:
     """Where ``RAY_ADDRESS`` is set, fail at once unless a cluster listens there: Ray itself would
     retry the address without end."""
     address = cluster_address()
-    if address is None:
+    if address is None or address == "auto":  # "auto": Ray's own search for a cluster on this machine
         return
     host, _, port = address.rpartition(":")
     fix = f"start one with `ray start --head` and set {ADDRESS_ENV} to the address it prints, or unset {ADDRESS_ENV}"
-    if address == "auto":  # Ray's own search for a cluster on this machine
-        return
     if not host or not port.isdigit():
         raise UserError(f"{ADDRESS_ENV}={address!r} is not a host:port address of a running Ray cluster", fix)
     try:
