@@ -14,7 +14,6 @@ os.environ.setdefault("COLUMNS", "200")
 import contextlib
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,16 +22,11 @@ import time
 import pytest
 import torch
 
+from ondevice_moe.federation.localhost import free_port
 from ondevice_moe.models.tiny import byte_tokenizer, tiny_gpt2, tiny_llama
 
 VOCAB = 257
 RAY = Path(sys.executable).parent / "ray"
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -45,7 +39,7 @@ def shared_ray_cluster():
     if os.environ.get("RAY_ADDRESS"):
         yield os.environ["RAY_ADDRESS"]
         return
-    port = _free_port()
+    port = free_port()
     temp = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))  # Ray's socket paths must stay short
     log = temp / "start.log"
     with log.open("w") as out:

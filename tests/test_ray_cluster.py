@@ -1,7 +1,6 @@
 """A simulation joins the running Ray cluster ``RAY_ADDRESS`` names, or starts its own without it."""
 
 import json
-import socket
 from pathlib import Path
 
 import pytest
@@ -9,6 +8,7 @@ import pytest
 from ondevice_moe import runner
 from ondevice_moe.errors import UserError
 from ondevice_moe.federation import ray_cluster
+from ondevice_moe.federation.localhost import free_port
 from ondevice_moe.recipe import load_recipe
 
 TINY = Path(__file__).parent / "recipes" / "tiny.yaml"
@@ -19,12 +19,6 @@ def _results(run_dir: Path) -> dict:
     summary = json.loads((run_dir / "summary.json").read_text())
     summary.pop("round_overhead")
     return summary
-
-
-def _closed_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]  # closed again when the probe is
 
 
 def test_a_run_on_the_joined_cluster_equals_a_run_on_its_own_ray_instance(tmp_path, shared_ray_cluster, monkeypatch):
@@ -49,7 +43,7 @@ def test_a_run_on_the_joined_cluster_equals_a_run_on_its_own_ray_instance(tmp_pa
 
 
 def test_a_cluster_address_where_nothing_listens_stops_the_run_before_its_folder_is_written(tmp_path, monkeypatch):
-    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{_closed_port()}")
+    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{free_port()}")  # nothing listens there
     with pytest.raises(UserError, match=r"no Ray cluster answers at RAY_ADDRESS=127\.0\.0\.1:") as raised:
         runner.run_recipe(load_recipe(TINY, ONE_STEP), tmp_path / "run")
     assert "ray start --head" in raised.value.fix and not (tmp_path / "run").exists()
