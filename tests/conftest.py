@@ -14,6 +14,7 @@ os.environ.setdefault("COLUMNS", "200")
 import contextlib
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -22,11 +23,18 @@ import time
 import pytest
 import torch
 
-from ondevice_moe.federation.localhost import free_port
 from ondevice_moe.models.tiny import byte_tokenizer, tiny_gpt2, tiny_llama
 
 VOCAB = 257
 RAY = Path(sys.executable).parent / "ray"
+
+
+def _ray_head_port() -> int:
+    """A port the kernel hands out for ``bind(0)``: above Ray's own worker ports (10002-19999 by
+    default, which ``ray start`` refuses for its GCS), where ``localhost.free_port`` may draw."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -39,7 +47,7 @@ def shared_ray_cluster():
     if os.environ.get("RAY_ADDRESS"):
         yield os.environ["RAY_ADDRESS"]
         return
-    port = free_port()
+    port = _ray_head_port()
     temp = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))  # Ray's socket paths must stay short
     log = temp / "start.log"
     with log.open("w") as out:
