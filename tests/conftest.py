@@ -41,7 +41,7 @@ def _ray_head_port() -> int:
 def shared_ray_cluster():
     """One Ray cluster per test worker that every simulation joins through ``RAY_ADDRESS``
     (``ondevice_moe.federation.ray_cluster``) instead of starting and stopping a Ray instance of its
-    own, about 6 s a run; CLI subprocesses inherit the variable. The cluster runs in a session of its
+    own; CLI subprocesses inherit the variable. The cluster runs in a session of its
     own and is stopped by its process group at the end. Tests of Ray's own start (``own_ray``) unset
     the variable; a caller who set it keeps their cluster."""
     if os.environ.get("RAY_ADDRESS"):

@@ -6,7 +6,7 @@ Ray's own variable for a running cluster (``ray start --head`` prints it), the r
 cluster instead. Flower skips its start when this process is already connected, and its
 ``ray.shutdown()`` at the end then only disconnects, so the cluster outlives the run. Runs that
 follow one another skip Ray's start and stop: its GCS server, raylet, dashboard and runtime-env
-agents and log monitor, about 6 s and 7 CPU-seconds a run on two busy cores. The cluster's own
+agents and log monitor (``docs/federation.md`` gives the time saved). The cluster's own
 resources size Flower's actor pool (``ray start --num-cpus``).
 
 A joined cluster starts its workers with the environment and working directory of ``ray start``,
